@@ -1,0 +1,317 @@
+"""A collective algorithm as plain data: steps of point-to-point transfers.
+
+A :class:`CollectiveSchedule` is what every consumer of a collective reads: the
+local executor (:mod:`partir_emu.collectives.local`) and the MPI executor
+(:mod:`partir_emu.collectives.mpi`) move real data exactly as it says, the
+analytical model prices it and the DES replays it.
+
+**Chunks.** The data a collective moves is cut into ``num_chunks`` chunks of
+``chunk_bytes[c]`` bytes. Every transfer carries exactly one chunk. Which
+chunks a member starts with and which it must end with depend on ``kind``
+(``p`` members, ``m = num_chunks // p`` sub-chunks per block, except for
+all_to_all where ``m = num_chunks // p**2``):
+
+=====================  ===================================  ===================================
+kind                   member ``i`` starts with             member ``i`` ends with (its output)
+=====================  ===================================  ===================================
+all_gather             chunks of block ``i``                all chunks, in order
+reduce_scatter         all chunks (its own contribution)    chunks of block ``i``, fully reduced
+all_reduce             all chunks (its own contribution)    all chunks, fully reduced
+all_to_all             chunks ``(i*p + j)*m + h`` (all j)    chunks ``(k*p + i)*m + h`` for all k
+collective_permute     chunk ``i`` (its whole buffer)       chunk ``s`` if ``(s, i)`` is a pair,
+                                                            else zeros
+=====================  ===================================  ===================================
+
+Block ``b`` is chunks ``b*m .. b*m + m - 1``; the chunks a member starts or
+ends with tile its input or output buffer in the order listed.
+
+**Semantics of a step** (both executors implement exactly this, so their
+results agree bit for bit): every transfer of a step sends the value its
+source holds *at the start of the step*; then the received values are applied
+in the order of ``Step.transfers``: ``reduce=True`` sets
+``acc = op(acc, received)``, ``reduce=False`` overwrites. The reduction order
+is therefore fixed by the schedule alone.
+
+**Empty chunks.** When the data does not divide evenly (an all_reduce of a
+scalar over 8 members) some chunks have 0 bytes. They are never transferred
+(no zero-byte transfers are emitted) and count as held by every member.
+
+**Messages.** Transfers of one step with the same ``(src, dst)`` travel as one
+message; price :meth:`CollectiveSchedule.messages`, not single transfers.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from partir_emu.errors import CollectiveError
+
+KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
+REDUCE_KINDS: frozenset[str] = frozenset({"reduce_scatter", "all_reduce"})
+_JSON_FORMAT = "partir_emu.collective_schedule"
+_JSON_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One chunk sent from group position ``src`` to group position ``dst``."""
+
+    src: int
+    dst: int
+    nbytes: int
+    chunk: int
+    reduce: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Transfers that may all run concurrently."""
+
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """The transfers of one step between one ``(src, dst)`` pair, sent together."""
+
+    src: int
+    dst: int
+    nbytes: int
+    chunks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CollectiveSchedule:
+    """A collective over a group of ``p = prod(group_shape)`` members as steps of transfers.
+
+    ``nbytes`` is the full buffer per device: the gathered *output* for
+    all_gather, the *input* for every other kind. ``algorithm`` names the
+    algorithm actually used (after any fallback, e.g. ``'ring'`` for a
+    ``'recursive'`` request on 6 members, ``'pairwise'``/``'direct'`` for
+    all_to_all and collective_permute).
+    """
+
+    kind: str
+    algorithm: str
+    group_shape: tuple[int, ...]
+    nbytes: int
+    num_chunks: int
+    steps: tuple[Step, ...]
+    chunk_bytes: tuple[int, ...] = ()
+    itemsize: int = 1
+    permutation: tuple[tuple[int, int], ...] | None = None
+    _sub: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise CollectiveError(f"unknown collective kind {self.kind!r}; use one of {KINDS}")
+        if not self.group_shape or any(int(d) < 1 for d in self.group_shape):
+            raise CollectiveError(f"group_shape {self.group_shape!r} must be a non-empty tuple of positive sizes")
+        p = math.prod(self.group_shape)
+        per = p * p if self.kind == "all_to_all" else p
+        if self.num_chunks < 1 or self.num_chunks % per:
+            raise CollectiveError(
+                f"{self.kind} schedule over {p} members has num_chunks={self.num_chunks}; "
+                f"it must be a positive multiple of {per}")
+        if len(self.chunk_bytes) != self.num_chunks or any(b < 0 for b in self.chunk_bytes):
+            raise CollectiveError(
+                f"chunk_bytes has {len(self.chunk_bytes)} entries for num_chunks={self.num_chunks}; "
+                "give one non-negative size per chunk")
+        if self.itemsize < 1 or self.nbytes < 0 or self.nbytes % self.itemsize:
+            raise CollectiveError(f"nbytes={self.nbytes} is not a whole number of items of itemsize={self.itemsize}")
+        if (self.kind == "collective_permute") != (self.permutation is not None):
+            raise CollectiveError("a permutation is required for collective_permute and only for it")
+        object.__setattr__(self, "_sub", self.num_chunks // per)
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def p(self) -> int:
+        """Number of members."""
+        return math.prod(self.group_shape)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def input_nbytes(self) -> int:
+        """Bytes of each member's input buffer."""
+        return self.nbytes // self.p if self.kind == "all_gather" else self.nbytes
+
+    @property
+    def output_nbytes(self) -> int:
+        """Bytes of each member's output buffer."""
+        return self.nbytes // self.p if self.kind == "reduce_scatter" else self.nbytes
+
+    def block_chunks(self, block: int) -> range:
+        """Chunk ids of block ``block`` (all_gather, reduce_scatter, all_reduce)."""
+        return range(block * self._sub, (block + 1) * self._sub)
+
+    def input_chunks(self, pos: int) -> tuple[int, ...]:
+        """Chunks member ``pos`` starts with, in the order they tile its input."""
+        p, m = self.p, self._sub
+        if self.kind == "all_gather":
+            return tuple(self.block_chunks(pos))
+        if self.kind in REDUCE_KINDS:
+            return tuple(range(self.num_chunks))
+        if self.kind == "all_to_all":
+            return tuple(range(pos * p * m, (pos + 1) * p * m))
+        return (pos,)
+
+    def output_chunks(self, pos: int) -> tuple[int, ...] | None:
+        """Chunks member ``pos`` ends with, in output order (``None``: output is zeros)."""
+        p, m = self.p, self._sub
+        if self.kind in ("all_gather", "all_reduce"):
+            return tuple(range(self.num_chunks))
+        if self.kind == "reduce_scatter":
+            return tuple(self.block_chunks(pos))
+        if self.kind == "all_to_all":
+            return tuple((k * p + pos) * m + h for k in range(p) for h in range(m))
+        for s, d in self.permutation or ():
+            if d == pos:
+                return (s,)
+        return None
+
+    # ------------------------------------------------------------- traffic
+    def total_bytes_sent(self) -> int:
+        """Bytes sent by all members over all steps."""
+        return sum(t.nbytes for s in self.steps for t in s.transfers)
+
+    def bytes_sent_by(self, pos: int) -> int:
+        return sum(t.nbytes for s in self.steps for t in s.transfers if t.src == pos)
+
+    def bytes_received_by(self, pos: int) -> int:
+        return sum(t.nbytes for s in self.steps for t in s.transfers if t.dst == pos)
+
+    def messages(self) -> tuple[tuple[Message, ...], ...]:
+        """Per step, the transfers grouped by ``(src, dst)`` (first-appearance order)."""
+        out = []
+        for step in self.steps:
+            groups: dict[tuple[int, int], list[Transfer]] = {}
+            for t in step.transfers:
+                groups.setdefault((t.src, t.dst), []).append(t)
+            out.append(tuple(Message(s, d, sum(t.nbytes for t in ts), tuple(t.chunk for t in ts))
+                             for (s, d), ts in groups.items()))
+        return tuple(out)
+
+    def num_messages(self) -> int:
+        return sum(len(m) for m in self.messages())
+
+    def describe(self) -> str:
+        """One line for logs: kind, algorithm, group, size, steps, traffic."""
+        return (f"{self.kind}[{self.algorithm}] group={self.group_shape} nbytes={self.nbytes} "
+                f"steps={self.num_steps} messages={self.num_messages()} bytes_sent={self.total_bytes_sent()}")
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        return {
+            "format": _JSON_FORMAT, "version": _JSON_VERSION,
+            "kind": self.kind, "algorithm": self.algorithm, "group_shape": list(self.group_shape),
+            "nbytes": self.nbytes, "num_chunks": self.num_chunks, "itemsize": self.itemsize,
+            "chunk_bytes": list(self.chunk_bytes),
+            "permutation": None if self.permutation is None else [list(x) for x in self.permutation],
+            "steps": [[[t.src, t.dst, t.nbytes, t.chunk, int(t.reduce)] for t in s.transfers] for s in self.steps],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict, *, check: bool = True) -> CollectiveSchedule:
+        if not isinstance(d, dict) or d.get("format") != _JSON_FORMAT or d.get("version") != _JSON_VERSION:
+            raise CollectiveError(
+                f"not a collective schedule of format {_JSON_FORMAT!r} version {_JSON_VERSION}; "
+                "write it with CollectiveSchedule.to_json()")
+        try:
+            perm = d["permutation"]
+            sched = cls(
+                kind=d["kind"], algorithm=d["algorithm"], group_shape=tuple(int(x) for x in d["group_shape"]),
+                nbytes=int(d["nbytes"]), num_chunks=int(d["num_chunks"]),
+                steps=tuple(Step(tuple(Transfer(int(a), int(b), int(n), int(c), bool(r)) for a, b, n, c, r in s))
+                            for s in d["steps"]),
+                chunk_bytes=tuple(int(x) for x in d["chunk_bytes"]), itemsize=int(d["itemsize"]),
+                permutation=None if perm is None else tuple((int(a), int(b)) for a, b in perm))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CollectiveError(f"malformed collective schedule JSON ({e!r}); write it with to_json()") from e
+        if check:
+            validate_schedule(sched)
+        return sched
+
+    @classmethod
+    def from_json(cls, text: str, *, check: bool = True) -> CollectiveSchedule:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CollectiveError(f"collective schedule is not valid JSON: {e}") from e
+        return cls.from_dict(d, check=check)
+
+
+def validate_schedule(sched: CollectiveSchedule) -> None:
+    """Check symbolically that ``sched`` computes its collective; raise CollectiveError if not.
+
+    Tracks, for every member and chunk, the set of members whose contribution
+    the held value contains (a bitmask). A reduce must add disjoint sets and
+    every member must end with its output chunks complete.
+    """
+    p, kind = sched.p, sched.kind
+    full = (1 << p) - 1
+    empty = {c for c, b in enumerate(sched.chunk_bytes) if b == 0}
+    state: list[dict[int, int]] = []
+    for pos in range(p):
+        if kind in REDUCE_KINDS:
+            state.append(dict.fromkeys(range(sched.num_chunks), 1 << pos))
+        else:
+            state.append(dict.fromkeys(sched.input_chunks(pos), 1 << pos))
+    for si, step in enumerate(sched.steps):
+        sent = []
+        for t in step.transfers:
+            where = f"step {si} transfer {t}"
+            if not (0 <= t.src < p and 0 <= t.dst < p) or t.src == t.dst:
+                raise CollectiveError(f"{where}: src/dst must be distinct positions in 0..{p - 1}")
+            if not 0 <= t.chunk < sched.num_chunks or t.chunk in empty:
+                raise CollectiveError(f"{where}: chunk must be a non-empty chunk id < {sched.num_chunks}")
+            if t.nbytes != sched.chunk_bytes[t.chunk]:
+                raise CollectiveError(f"{where}: nbytes must equal chunk_bytes[{t.chunk}]={sched.chunk_bytes[t.chunk]}")
+            if t.reduce and kind not in REDUCE_KINDS:
+                raise CollectiveError(f"{where}: {kind} cannot reduce")
+            if t.chunk not in state[t.src]:
+                raise CollectiveError(f"{where}: member {t.src} does not hold chunk {t.chunk} yet")
+            sent.append(state[t.src][t.chunk])
+        for t, val in zip(step.transfers, sent):
+            if t.reduce:
+                have = state[t.dst].get(t.chunk)
+                if have is None or have & val:
+                    raise CollectiveError(
+                        f"step {si} transfer {t}: reduce into a chunk the destination lacks or that would "
+                        "count a contribution twice")
+                state[t.dst][t.chunk] = have | val
+            else:
+                state[t.dst][t.chunk] = val
+    for pos in range(p):
+        for c in sched.output_chunks(pos) or ():
+            if c in empty:
+                continue
+            val = state[pos].get(c)
+            if val is None or (kind in REDUCE_KINDS and val != full):
+                raise CollectiveError(
+                    f"{sched.kind}[{sched.algorithm}] group={sched.group_shape}: member {pos} ends without "
+                    f"the complete chunk {c} (has contributions {val if val is None else bin(val)})")
+
+
+def check_permutation(permutation: Sequence[Sequence[int]] | None, p: int) -> tuple[tuple[int, int], ...]:
+    """Normalize and check a collective_permute ``((src, dst), ...)`` over ``p`` members."""
+    if permutation is None:
+        raise CollectiveError("collective_permute needs permutation=((src, dst), ...); pass the pairs")
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in permutation)
+    except (TypeError, ValueError) as e:
+        raise CollectiveError(f"permutation {permutation!r} must be a sequence of (src, dst) pairs") from e
+    for s, d in pairs:
+        if not (0 <= s < p and 0 <= d < p):
+            raise CollectiveError(f"permutation pair {(s, d)} is outside the group positions 0..{p - 1}")
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise CollectiveError(f"permutation {pairs} repeats a source or a destination; each may appear once")
+    return pairs

@@ -1,0 +1,221 @@
+"""Lowering: a sharded Program → one SpmdProgram with explicit collectives.
+
+One interpreter-shaped pass over the equations. Each equation's factor tiling
+fixes the sharding it needs of each operand; ``reshard`` moves an operand from
+the sharding it has to the one needed with the fewest collectives:
+
+* pending sums not wanted → ``all_reduce``, or ``reduce_scatter`` when the
+  target tiles a dim by those very axes (an all_reduce followed by a slice
+  on the same axes is never emitted);
+* axes that tile a dim in the source but not the target → ``all_gather``, or
+  ``all_to_all`` when the same axes move to another dim;
+* axes the target adds → ``all_slice`` (local, no traffic);
+* a pending sum the target needs (a scatter-add accumulator) → ``to_partial``.
+
+Reshardings are cached per (value, target), so a value is moved once however
+many equations read it — except all-gathers of program inputs, which are
+repeated at each use (ZeRO-3: a gathered parameter is dropped after use and
+gathered again in the backward pass instead of living through the step).
+"""
+from __future__ import annotations
+
+from partir_emu.compiler.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.compiler.propagate import ShardingState, _mesh_order
+from partir_emu.compiler.sharding import Sharding
+from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.errors import LoweringError
+
+
+class _Lowerer:
+    def __init__(self, state: ShardingState) -> None:
+        self.state = state
+        self.mesh = state.mesh
+        self.next_id = state.program.next_id()
+        self.eqns: list[Eqn] = []
+        self.actual: dict[Var, Sharding] = {}
+        self.local: dict[Var, Var] = {}
+        self.cache: dict[tuple[Var, Sharding], Var] = {}
+        self.inputs = set(state.program.inputs)
+
+    def new_var(self, shape, dtype) -> Var:
+        v = Var(self.next_id, tuple(shape), dtype)
+        self.next_id += 1
+        return v
+
+    def emit(self, prim: str, ins, out_shape, dtype, params, source="") -> Var:
+        out = self.new_var(out_shape, dtype)
+        self.eqns.append(Eqn(prim, tuple(ins), (out,), params, source))
+        return out
+
+    # -- resharding -----------------------------------------------------------------
+    def reshard(self, v: Var, target: Sharding, why: str) -> Var:
+        src = self.actual[v]
+        if src == target:
+            return self.local[v]
+        key = (v, target)
+        if key in self.cache:
+            return self.cache[key]
+        out, only_gathers = self._plan(v, src, target, why)
+        if not (only_gathers and v in self.inputs):
+            self.cache[key] = out
+        return out
+
+    def _plan(self, v: Var, src: Sharding, dst: Sharding, why: str) -> tuple[Var, bool]:
+        mesh = self.mesh
+        cur_dims = [tuple(d) for d in src.dims]
+        x = self.local[v]
+        kinds = []
+
+        def step(prim, params, new_dims):
+            nonlocal x, cur_dims
+            cur_dims = new_dims
+            shape = Sharding(tuple(cur_dims)).local_shape(v.shape, mesh)
+            x = self.emit(prim, [x], shape, v.dtype, params, why)
+            kinds.append(prim)
+
+        resolve = [a for a in src.partial if a not in dst.partial]
+        new_partial = [a for a in dst.partial if a not in src.partial]
+        gather, slc = [], []
+        for d, (s, t) in enumerate(zip(src.dims, dst.dims)):
+            k = 0
+            while k < min(len(s), len(t)) and s[k] == t[k]:
+                k += 1
+            gather.append(s[k:])
+            slc.append(t[k:])
+        # partial axes that the target tiles a dim by, right after the common prefix
+        rs: dict[int, tuple[str, ...]] = {}
+        for d in range(len(slc)):
+            run = []
+            for a in slc[d]:
+                if a in resolve and not any(a in r for r in rs.values()):
+                    run.append(a)
+                else:
+                    break
+            if run:
+                rs[d] = tuple(run)
+        rest = _mesh_order(mesh, [a for a in resolve if not any(a in r for r in rs.values())])
+        if rest:   # on the smaller (still tiled) buffer, before any gather
+            step("all_reduce", {"axes": rest, "op": "sum"}, cur_dims)
+        for d in range(len(gather)):
+            g = gather[d]
+            if not g:
+                continue
+            to = next((d2 for d2 in range(len(slc)) if d2 != d and not gather[d2] and d2 not in rs
+                       and slc[d2][:len(g)] == g), None)
+            if to is not None:
+                nd = list(cur_dims)
+                nd[d] = cur_dims[d][:len(cur_dims[d]) - len(g)]
+                nd[to] = cur_dims[to] + g
+                step("all_to_all", {"axes": g, "split_dim": to, "concat_dim": d}, nd)
+                slc[to] = slc[to][len(g):]
+            else:
+                nd = list(cur_dims)
+                nd[d] = cur_dims[d][:len(cur_dims[d]) - len(g)]
+                step("all_gather", {"axes": g, "dim": d}, nd)
+            gather[d] = ()
+        for d, axes in rs.items():
+            nd = list(cur_dims)
+            nd[d] = cur_dims[d] + axes
+            step("reduce_scatter", {"axes": axes, "dim": d}, nd)
+            slc[d] = slc[d][len(axes):]
+        for d in range(len(slc)):
+            if slc[d]:
+                nd = list(cur_dims)
+                nd[d] = cur_dims[d] + slc[d]
+                step("all_slice", {"axes": slc[d], "dim": d}, nd)
+        if new_partial:
+            step("to_partial", {"axes": _mesh_order(mesh, new_partial)}, cur_dims)
+        assert tuple(cur_dims) == dst.dims, (cur_dims, dst)
+        return x, all(k == "all_gather" for k in kinds)
+
+    # -- the pass ---------------------------------------------------------------------
+    def run(self) -> SpmdProgram:
+        st, mesh, p = self.state, self.mesh, self.state.program
+        in_locals = []
+        in_shardings = []
+        for v, name in zip(p.inputs, p.input_names):
+            s = st.sharding(v)
+            s.validate(v.shape, mesh, f"input {name!r}")
+            lv = self.new_var(s.local_shape(v.shape, mesh), v.dtype)
+            self.actual[v], self.local[v] = s, lv
+            in_locals.append(lv)
+            in_shardings.append(s)
+        consts = []
+        for v, c in p.consts:
+            self.actual[v], self.local[v] = Sharding.replicated(v.ndim), v
+            consts.append((v, c))
+        for i, e in enumerate(p.eqns):
+            self.lower_eqn(i, e)
+        outs, out_shardings = [], []
+        for o, name in zip(p.outputs, p.output_names):
+            if isinstance(o, Literal):
+                outs.append(o)
+                out_shardings.append(Sharding(()))
+                continue
+            tgt = Sharding(self.actual[o].dims)
+            outs.append(self.reshard(o, tgt, f"output {name}"))
+            out_shardings.append(tgt)
+        prog = Program(tuple(in_locals), p.input_names, tuple(self.eqns), tuple(outs), p.output_names, tuple(consts))
+        return SpmdProgram(mesh, prog, tuple(in_shardings), tuple(out_shardings),
+                           tuple(v.shape for v in p.inputs), tuple(o.shape for o in p.outputs),
+                           {"tactics": list(st.tactics_applied)})
+
+    def lower_eqn(self, i: int, e: Eqn) -> None:
+        st = self.state
+        rule = st.rules[i]
+        F = st.eqn_factors[i]
+        used = {a for ax in F.values() for a in ax}
+        red = _mesh_order(self.mesh, [a for f in rule.reduction for a in F.get(f, ())])
+        passthrough: tuple[str, ...] = ()
+        if rule.linear:
+            partials = {self.actual[a].partial if isinstance(a, Var) else () for a in e.inputs}
+            if len(partials) == 1:
+                (pp,) = partials
+                if pp and not (set(pp) & used):
+                    passthrough = pp
+        ins: list[Atom] = []
+        for k, (a, fs) in enumerate(zip(e.inputs, rule.operands)):
+            if isinstance(a, Literal):
+                ins.append(a)
+                continue
+            dims = st.dims_from_factors(i, fs) if fs else [()] * a.ndim
+            if dims is None:   # propagation never leaves this; keep the invariant loud
+                raise LoweringError(f"internal: operand {k} of {e.prim} at {e.source} has no block layout")
+            partial = red if k in rule.partial_operands else passthrough
+            ins.append(self.reshard(a, Sharding(tuple(dims), partial), f"operand {k} of {e.prim} at {e.source}"))
+        outs = []
+        for k, o in enumerate(e.outputs):
+            s = st.result_sharding(i, k)
+            s = s.with_partial(_mesh_order(self.mesh, set(s.partial) | set(passthrough)))
+            lv = self.new_var(s.local_shape(o.shape, self.mesh), o.dtype)
+            self.actual[o], self.local[o] = s, lv
+            outs.append(lv)
+        params = localize_params(e, ins, outs)
+        self.eqns.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source))
+
+
+def localize_params(e: Eqn, ins, outs) -> dict:
+    """Rewrite the parameters that spell out global sizes for the local shapes."""
+    p = dict(e.params)
+    prim = e.prim
+    if prim == "broadcast_in_dim":
+        p["shape"] = outs[0].shape
+    elif prim == "reshape":
+        p["new_sizes"] = outs[0].shape
+    elif prim == "iota":
+        p["shape"] = outs[0].shape
+    elif prim == "dynamic_slice":
+        p["slice_sizes"] = outs[0].shape
+    elif prim == "gather":
+        g, loc = e.inputs[0].shape, ins[0].shape
+        p["slice_sizes"] = tuple(lo if s == gs else s for s, gs, lo in zip(p["slice_sizes"], g, loc))
+    elif prim == "slice":
+        g, loc = e.inputs[0].shape, ins[0].shape
+        p["limit_indices"] = tuple(lo if (gs != lo and lim == gs) else lim
+                                   for lim, gs, lo in zip(p["limit_indices"], g, loc))
+    return p
+
+
+def lower(state: ShardingState) -> SpmdProgram:
+    return _Lowerer(state).run()
+

@@ -1,0 +1,131 @@
+"""The abstract (compile-time) device mesh: ordered named axes with sizes.
+
+The compiler only ever sees axis names and sizes (like JAX's ``AbstractMesh``);
+which MPI rank or which chip a device is, is decided later by ``runtime/`` or
+``hwmodels/placement``. Devices are numbered row-major over the axes.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from partir_emu.errors import MeshError
+
+_AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """``Mesh(batch=2, model=4)`` or ``Mesh.from_items([("batch", 2), ("model", 4)])``."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __init__(self, axes: Iterable[tuple[str, int]] | None = None, **sizes: int) -> None:
+        items = tuple(axes) if axes is not None else ()
+        items = items + tuple(sizes.items())
+        object.__setattr__(self, "axes", tuple((str(n), s) for n, s in items))
+        self._validate()
+
+    @classmethod
+    def from_items(cls, items: Iterable[tuple[str, int]]) -> "Mesh":
+        return cls(axes=items)
+
+    @classmethod
+    def parse(cls, text: str) -> "Mesh":
+        """Parse ``"batch=2,model=4"`` (the CLI's ``--mesh`` syntax)."""
+        items = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, eq, size = part.partition("=")
+            if not eq:
+                raise MeshError(f"mesh item {part!r} in {text!r} is not AXIS=SIZE; write e.g. batch=2,model=4")
+            try:
+                items.append((name.strip(), int(size)))
+            except ValueError:
+                raise MeshError(f"mesh axis {name.strip()!r} has size {size!r}, which is not an integer") from None
+        if not items:
+            raise MeshError(f"mesh {text!r} names no axis; write e.g. batch=2,model=4")
+        return cls(axes=items)
+
+    def _validate(self) -> None:
+        seen = set()
+        for name, size in self.axes:
+            if not _AXIS_NAME.match(name):
+                raise MeshError(f"mesh axis name {name!r} is not an identifier")
+            if name in seen:
+                raise MeshError(f"mesh axis {name!r} appears twice in {self}")
+            seen.add(name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise MeshError(f"mesh axis {name!r} has size {size!r}; every axis needs an integer size >= 1")
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def axis_size(self, name: str) -> int:
+        for n, s in self.axes:
+            if n == name:
+                return s
+        raise MeshError(f"axis {name!r} is not in mesh {self}; its axes are {list(self.axis_names)}")
+
+    def group_size(self, axes: Sequence[str]) -> int:
+        return math.prod(self.axis_size(a) for a in axes)
+
+    def check_axis(self, name: str) -> str:
+        self.axis_size(name)
+        return name
+
+    def coords(self, device: int) -> dict[str, int]:
+        """Mesh coordinates of a device (row-major numbering)."""
+        out = {}
+        for name, size in reversed(self.axes):
+            device, out[name] = divmod(device, size)
+        return {n: out[n] for n in self.axis_names}
+
+    def device_at(self, coords: dict[str, int]) -> int:
+        d = 0
+        for name, size in self.axes:
+            d = d * size + coords[name]
+        return d
+
+    def group_index(self, device: int, axes: Sequence[str]) -> int:
+        """Position of ``device`` inside its group over ``axes`` (major→minor in ``axes`` order)."""
+        c = self.coords(device)
+        i = 0
+        for a in axes:
+            i = i * self.axis_size(a) + c[a]
+        return i
+
+    def groups(self, axes: Sequence[str]) -> list[list[int]]:
+        """All device groups over ``axes``; each ordered by mesh coordinates over ``axes``
+        (major→minor in the order given). Identical for every backend."""
+        axes = tuple(axes)
+        others = [n for n in self.axis_names if n not in axes]
+        result: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for d in range(self.size):
+            c = self.coords(d)
+            key = tuple(c[o] for o in others)
+            result.setdefault(key, []).append((self.group_index(d, axes), d))
+        return [[d for _, d in sorted(g)] for _, g in sorted(result.items())]
+
+    def to_json(self) -> list[list]:
+        return [[n, s] for n, s in self.axes]
+
+    @classmethod
+    def from_json(cls, data: list) -> "Mesh":
+        return cls(axes=[(str(n), int(s)) for n, s in data])
+
+    def __str__(self) -> str:
+        return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self.axes) + ")"
+
+    __repr__ = __str__

@@ -1,0 +1,292 @@
+"""Tactic application and sharding propagation.
+
+The state holds, per value, the mesh axes tiling each dim and, per equation,
+the axes tiling each of its factors (see ``rules``). A ``ManualPartition``
+seeds its inputs with one axis; propagation then carries that axis through the
+factor rules, forward and backward, to a fixed point. Decisions are only ever
+*added*: an axis already placed is never moved (earlier tactics win). Where two
+sources want different factors of one equation tiled by the same axis, or a
+value would need the axis on two dims, nothing is guessed: the conflict is
+recorded with both origins and the lowering inserts the resharding.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from partir_emu.compiler.ir import Eqn, Program, Var
+from partir_emu.compiler.mesh import Mesh
+from partir_emu.compiler.rules import FactorRule, rule_for
+from partir_emu.compiler.sharding import Sharding
+from partir_emu.compiler.tactics import REPLICATED, ManualPartition
+from partir_emu.errors import ShardingError, TacticError
+
+
+@dataclass(frozen=True)
+class Conflict:
+    axis: str
+    eqn: int
+    message: str
+
+
+@dataclass
+class ShardingState:
+    """Mutable while a schedule is applied; snapshots are taken after each tactic."""
+
+    program: Program
+    mesh: Mesh
+    rules: list[FactorRule]
+    value_dims: dict[Var, list[tuple[str, ...]]]
+    eqn_factors: list[dict[int, tuple[str, ...]]]
+    pinned: dict[Var, set[str]] = field(default_factory=dict)      # axes a value must not take
+    origin: dict[tuple[int, str], str] = field(default_factory=dict)  # (var id, axis) -> why
+    conflicts: list[Conflict] = field(default_factory=list)
+    tactics_applied: list[str] = field(default_factory=list)
+
+    @classmethod
+    def initial(cls, program: Program, mesh: Mesh) -> "ShardingState":
+        vd = {v: [()] * v.ndim for v in program.vars()}
+        return cls(program, mesh, [rule_for(e) for e in program.eqns], vd, [{} for _ in program.eqns])
+
+    def copy(self) -> "ShardingState":
+        return ShardingState(self.program, self.mesh, self.rules, {v: list(d) for v, d in self.value_dims.items()},
+                             [dict(f) for f in self.eqn_factors], {v: set(s) for v, s in self.pinned.items()},
+                             dict(self.origin), list(self.conflicts), list(self.tactics_applied))
+
+    # -- derived shardings ------------------------------------------------------------
+    def dims_from_factors(self, e: int, dims: tuple[tuple[int, ...], ...]) -> list[tuple[str, ...]] | None:
+        """Axes of each tensor dim implied by equation ``e``'s factor tiling (None if some dim's
+        tiling is not a contiguous block layout)."""
+        out = []
+        F = self.eqn_factors[e]
+        sizes = self.rules[e].sizes
+        for factors in dims:
+            axes: tuple[str, ...] = ()
+            closed = False   # a factor before was not fully tiled: minor ones must stay untiled
+            for f in factors:
+                if sizes[f] == 1:
+                    continue
+                fa = F.get(f, ())
+                if closed and fa:
+                    return None
+                axes += fa
+                if self.mesh.group_size(fa) != sizes[f]:
+                    closed = True
+            out.append(axes)
+        return out
+
+    def result_sharding(self, e: int, k: int = 0) -> Sharding:
+        rule = self.rules[e]
+        dims = self.dims_from_factors(e, rule.results[k])
+        assert dims is not None
+        partial = tuple(a for f in sorted(rule.reduction) for a in self.eqn_factors[e].get(f, ()))
+        return Sharding(tuple(dims), _mesh_order(self.mesh, partial))
+
+    def sharding(self, v: Var) -> Sharding:
+        return Sharding(tuple(self.value_dims[v]))
+
+    def pretty(self, show_all: bool = False) -> str:
+        p = self.program
+        lines = [f"# sharding state after {len(self.tactics_applied)} tactic(s): "
+                 + (", ".join(self.tactics_applied) or "none") + f" on {self.mesh}"]
+        lines.append("inputs:")
+        for v, n in zip(p.inputs, p.input_names):
+            lines.append(f"  {n:<40} {v.type_str():<16} {self.sharding(v)}{self._why(v)}")
+        lines.append("equations:")
+        for i, e in enumerate(p.eqns):
+            if not show_all and not any(self.eqn_factors[i].values()):
+                continue
+            outs = ", ".join(f"{o}:{o.type_str()} {self.result_sharding(i, k)}" for k, o in enumerate(e.outputs))
+            lines.append(f"  [{i}] {e.prim:<18} {outs}{self._why(e.outputs[0])}")
+        lines.append("outputs:")
+        for o, n in zip(p.outputs, p.output_names):
+            if isinstance(o, Var):
+                lines.append(f"  {n:<40} {o.type_str():<16} {self.sharding(o)}")
+        if self.conflicts:
+            lines.append(f"conflicts ({len(self.conflicts)}; left unpropagated, resharded at lowering):")
+            for c in self.conflicts:
+                lines.append(f"  [{c.eqn}] {c.axis}: {c.message}")
+        return "\n".join(lines)
+
+    def _why(self, v: Var) -> str:
+        whys = [f"{a}: {self.origin[(v.id, a)]}" for d in self.value_dims[v] for a in d if (v.id, a) in self.origin]
+        return ("   # " + "; ".join(whys)) if whys else ""
+
+
+def _mesh_order(mesh: Mesh, axes) -> tuple[str, ...]:
+    s = set(axes)
+    return tuple(a for a in mesh.axis_names if a in s)
+
+
+def _factor_of_axis(state: ShardingState, sizes, factors, dim_axes, axis) -> int | None:
+    """Which factor of a compound dim the axis lands in, given the dim's axes (major→minor)."""
+    i = 0
+    filled = 1
+    for a in dim_axes:
+        n = state.mesh.axis_size(a)
+        while i < len(factors) and (sizes[factors[i]] == 1 or filled == sizes[factors[i]]):
+            i += 1
+            filled = 1
+        if i >= len(factors) or sizes[factors[i]] % (filled * n):
+            return None
+        filled *= n
+        if a == axis:
+            return factors[i]
+    return None
+
+
+def apply_tactic(state: ShardingState, tactic: ManualPartition, index: int) -> None:
+    """Seed the tactic's inputs, then propagate its axis to a fixed point."""
+    mesh, p = state.mesh, state.program
+    axis = tactic.axis
+    mesh.check_axis(axis)
+    label = tactic.name or f"tactic {index} ({axis})"
+    seeds: list[Var] = []
+    for i, dim in tactic.resolve(p.input_names).items():
+        v, name = p.inputs[i], p.input_names[i]
+        dims = state.value_dims[v]
+        if dim is REPLICATED:
+            if any(axis in d for d in dims):
+                raise ShardingError(f"tactic {label}: input {name!r} is already tiled by axis {axis!r} "
+                                    f"({state.sharding(v)}); it cannot also be pinned REPLICATED on it")
+            state.pinned.setdefault(v, set()).add(axis)
+            continue
+        if not -v.ndim <= dim < v.ndim:
+            raise TacticError(f"tactic {label}: dim {dim} is out of range for input {name!r} of shape {v.shape} "
+                              f"(rank {v.ndim}); use 0..{v.ndim - 1}")
+        dim %= v.ndim
+        where = next((k for k, d in enumerate(dims) if axis in d), None)
+        if where == dim:
+            continue
+        if where is not None:
+            raise ShardingError(f"tactic {label}: axis {axis!r} is used twice on input {name!r}: it already tiles "
+                                f"dim {where} ({state.sharding(v)}) and the tactic asks for dim {dim}")
+        if axis in state.pinned.get(v, ()):
+            raise ShardingError(f"tactic {label}: input {name!r} was pinned REPLICATED on axis {axis!r} "
+                                "by an earlier tactic")
+        k = mesh.group_size(dims[dim]) * mesh.axis_size(axis)
+        if v.shape[dim] % k:
+            raise ShardingError(f"tactic {label}: dim {dim} of input {name!r} has size {v.shape[dim]}, which is not "
+                                f"divisible by {k} (axes {dims[dim] + (axis,)} of {mesh}); pick another dim or mesh")
+        dims[dim] = dims[dim] + (axis,)
+        state.origin[(v.id, axis)] = f"{label} (input {name!r} dim {dim})"
+        seeds.append(v)
+    propagate(state, axis, seeds, label)
+    state.tactics_applied.append(label)
+
+
+def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> None:
+    p = state.program
+    users = _users(state)
+    producers = _producers(state)
+    queue: deque[int] = deque()
+    queued: set[int] = set()
+
+    def enqueue_value(v: Var) -> None:
+        for e in users.get(v, ()):
+            if e not in queued:
+                queued.add(e)
+                queue.append(e)
+        e = producers.get(v)
+        if e is not None and e not in queued:
+            queued.add(e)
+            queue.append(e)
+
+    for v in seeds:
+        enqueue_value(v)
+    seen_conflicts = {(c.eqn, c.axis) for c in state.conflicts}
+
+    def conflict(e: int, msg: str) -> None:
+        if (e, axis) not in seen_conflicts:
+            seen_conflicts.add((e, axis))
+            state.conflicts.append(Conflict(axis, e, f"{p.eqns[e].prim} at {p.eqns[e].source or '?'}: {msg}"))
+
+    n_axis = state.mesh.axis_size(axis)
+    while queue:
+        e = queue.popleft()
+        queued.discard(e)
+        eqn = p.eqns[e]
+        rule = state.rules[e]
+        F = state.eqn_factors[e]
+        slots = _slots(eqn, rule)
+        current = next((f for f, ax in F.items() if axis in ax), None)
+        cands: dict[int, Var] = {}
+        for v, factors in slots:
+            for d, fs in enumerate(factors):
+                if axis in state.value_dims[v][d]:
+                    f = _factor_of_axis(state, rule.sizes, fs, state.value_dims[v][d], axis)
+                    if f is not None:
+                        cands.setdefault(f, v)
+        if current is None:
+            if not cands:
+                continue
+            if len(cands) > 1:
+                (f1, v1), (f2, v2) = list(cands.items())[:2]
+                conflict(e, f"{v1} and {v2} want different factors tiled by {axis!r}; left untiled")
+                continue
+            (f, src), = cands.items()
+            if f in rule.blocked:
+                continue
+            have = F.get(f, ())
+            if rule.sizes[f] % (state.mesh.group_size(have) * n_axis):
+                continue
+            F[f] = have + (axis,)
+            # every operand/result must be able to express the new tiling
+            if any(state.dims_from_factors(e, fs) is None for _, fs in slots):
+                F[f] = have
+                conflict(e, f"tiling factor of size {rule.sizes[f]} by {axis!r} is not a block layout here")
+                continue
+            current = f
+            origin_src = state.origin.get((src.id, axis), label)
+            why = f"{label} via {eqn.prim} from {src}" if origin_src else label
+        else:
+            for f, v in cands.items():
+                if f != current:
+                    conflict(e, f"{v} wants another factor tiled by {axis!r} than the one chosen")
+            why = f"{label} via {eqn.prim}"
+        # push the decision to every operand and result
+        for v, fs in slots:
+            want = state.dims_from_factors(e, fs)
+            dims = state.value_dims[v]
+            for d, w in enumerate(want):
+                if axis not in w or axis in dims[d]:
+                    continue
+                if any(axis in x for x in dims):
+                    conflict(e, f"{v} already uses {axis!r} on another dim")
+                    continue
+                if axis in state.pinned.get(v, ()):
+                    conflict(e, f"{v} is pinned REPLICATED on {axis!r}")
+                    continue
+                if dims[d] + (axis,) != w:
+                    conflict(e, f"{v} dim {d} is tiled {dims[d]}, the equation wants {w}")
+                    continue
+                dims[d] = w
+                state.origin[(v.id, axis)] = why
+                enqueue_value(v)
+
+
+def _slots(eqn: Eqn, rule: FactorRule) -> list[tuple[Var, tuple]]:
+    out = [(a, fs) for a, fs in zip(eqn.inputs, rule.operands) if isinstance(a, Var) and fs]
+    out += [(o, fs) for o, fs in zip(eqn.outputs, rule.results) if fs]
+    return out
+
+
+def _users(state: ShardingState) -> dict[Var, list[int]]:
+    cache = getattr(state, "_users_cache", None)
+    if cache is None:
+        cache = state.program.users()
+        state._users_cache = cache  # type: ignore[attr-defined]
+    return cache
+
+
+def _producers(state: ShardingState) -> dict[Var, int]:
+    cache = getattr(state, "_prod_cache", None)
+    if cache is None:
+        cache = state.program.producers()
+        state._prod_cache = cache  # type: ignore[attr-defined]
+    return cache
+
+
+def group_size(mesh: Mesh, axes) -> int:
+    return math.prod(mesh.axis_size(a) for a in axes)

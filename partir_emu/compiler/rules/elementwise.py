@@ -1,0 +1,23 @@
+"""Elementwise primitives: ``ij,ij->ij`` (scalar operands have no dims)."""
+from __future__ import annotations
+
+from partir_emu.compiler.ir import Eqn
+from partir_emu.compiler.rules import FactorRule, RuleBuilder, register
+
+UNARY = """neg exp exp2 log log1p expm1 tanh logistic erf erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
+sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision""".split()
+BINARY = "add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter".split()
+OTHER = ["select_n", "clamp"]
+# Pending sums pass through these unchanged (linear in every operand).
+LINEAR = {"add", "add_any", "sub", "neg", "copy", "copy_p", "convert_element_type"}
+
+
+@register(*UNARY, *BINARY, *OTHER)
+def elementwise_rule(eqn: Eqn) -> FactorRule:
+    b = RuleBuilder()
+    out = eqn.outputs[0]
+    dims = b.fresh_dims(out.shape)
+    ops = [dims if a.ndim == out.ndim else () for a in eqn.inputs]
+    linear = eqn.prim in LINEAR and not (eqn.prim == "convert_element_type"
+                                         and not eqn.params.get("new_dtype", "").startswith(("float", "bfloat")))
+    return b.rule(ops, [dims], linear=linear)

@@ -1,0 +1,75 @@
+"""How one value is laid out over the mesh.
+
+For each tensor dim, the ordered tuple of mesh axes that tile it (major→minor),
+plus the tuple of *partial* axes: the value is a pending sum over them. Axes not
+mentioned are replicated. Example: ``{0:(batch,), 1:(model,)} partial=()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from partir_emu.compiler.mesh import Mesh
+from partir_emu.errors import ShardingError
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+
+    @classmethod
+    def replicated(cls, ndim: int) -> "Sharding":
+        return cls(((),) * ndim)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    def axes(self) -> tuple[str, ...]:
+        """Every axis the value uses (tiling then partial)."""
+        return tuple(a for d in self.dims for a in d) + self.partial
+
+    def dim_of(self, axis: str) -> int | None:
+        for i, d in enumerate(self.dims):
+            if axis in d:
+                return i
+        return None
+
+    def is_replicated(self) -> bool:
+        return not any(self.dims) and not self.partial
+
+    def with_dim(self, dim: int, axes: tuple[str, ...]) -> "Sharding":
+        return Sharding(self.dims[:dim] + (axes,) + self.dims[dim + 1:], self.partial)
+
+    def with_partial(self, partial: Sequence[str]) -> "Sharding":
+        return Sharding(self.dims, tuple(partial))
+
+    def validate(self, shape: Sequence[int], mesh: Mesh, what: str = "value") -> None:
+        if len(shape) != len(self.dims):
+            raise ShardingError(f"{what}: sharding {self} has {len(self.dims)} dims but the shape {tuple(shape)} has {len(shape)}")
+        seen: set[str] = set()
+        for a in self.axes():
+            mesh.check_axis(a)
+            if a in seen:
+                raise ShardingError(f"{what}: mesh axis {a!r} is used twice in sharding {self}; an axis can tile one dim at most")
+            seen.add(a)
+        for i, (n, d) in enumerate(zip(shape, self.dims)):
+            k = mesh.group_size(d)
+            if n % k:
+                raise ShardingError(f"{what}: dim {i} of size {n} is not divisible by {k} (axes {d} of {mesh}); "
+                                    f"choose a size that is a multiple of {k} or another dim")
+
+    def local_shape(self, shape: Sequence[int], mesh: Mesh) -> tuple[int, ...]:
+        return tuple(n // mesh.group_size(d) for n, d in zip(shape, self.dims))
+
+    def __str__(self) -> str:
+        dims = ", ".join(f"{i}:({','.join(d)}{',' if len(d) == 1 else ''})" for i, d in enumerate(self.dims) if d)
+        return "{" + dims + "}" + (f" partial=({','.join(self.partial)})" if self.partial else "")
+
+    def to_json(self) -> dict:
+        return {"dims": [list(d) for d in self.dims], "partial": list(self.partial)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Sharding":
+        return cls(tuple(tuple(d) for d in data["dims"]), tuple(data.get("partial", ())))

@@ -1,0 +1,236 @@
+"""The lowered per-device program and its file format.
+
+An :class:`SpmdProgram` is one :class:`~partir_emu.compiler.ir.Program` with
+*local* shapes, run identically by every device of the mesh, in which the
+communication is explicit. Collective primitives (vocabulary close to
+``jax.lax``), all named by mesh axes; a group over several axes is ordered by
+mesh coordinates, major→minor in the order the axes are listed:
+
+``all_gather[axes, dim]``            concatenate the group's blocks along ``dim``
+``all_reduce[axes, op]``             elementwise ``op`` (sum|max|min) over the group
+``reduce_scatter[axes, dim]``        sum over the group, keep block ``group_index`` of ``dim``
+``all_to_all[axes, split_dim, concat_dim]`` split ``split_dim`` into g blocks, send block j
+                                     to member j, concatenate the received along ``concat_dim``
+``all_slice[axes, dim]``             keep block ``group_index`` of ``dim`` (local, no traffic)
+``to_partial[axes]``                 keep the value on group member 0, zeros elsewhere (local)
+
+This module does not import jax: the MPI ranks and the hardware models load
+SpmdPrograms from files written here.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partir_emu.compiler.ir import Eqn, Literal, Program, Var, nbytes
+from partir_emu.compiler.mesh import Mesh
+from partir_emu.compiler.sharding import Sharding
+from partir_emu.errors import ArtifactError
+
+FORMAT = "partir-spmd"
+VERSION = 1
+
+COMM_PRIMS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+LOCAL_COLLECTIVE_PRIMS = ("all_slice", "to_partial")
+COLLECTIVE_PRIMS = COMM_PRIMS + LOCAL_COLLECTIVE_PRIMS
+
+
+def collective_bytes(e: Eqn) -> int:
+    """Size of the collective's full buffer (nccl-tests 'size'): the gathered output of an
+    all_gather, the input of the others."""
+    v = e.outputs[0] if e.prim == "all_gather" else e.inputs[0]
+    return nbytes(v.shape, v.dtype)
+
+
+def collective_wire_bytes(e: Eqn, group: int) -> float:
+    """Bytes one device sends under a bandwidth-optimal algorithm (ring):
+    (g-1)/g of the buffer, twice that for all_reduce."""
+    n = collective_bytes(e)
+    f = 2 if e.prim == "all_reduce" else 1
+    return f * n * (group - 1) / group
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    count: dict[str, int]
+    bytes: dict[str, int]
+    by_axes: dict[str, dict[str, int]]          # "batch,model" -> {"count", "bytes"}
+    wire_bytes_per_device: float
+
+    def to_json(self) -> dict:
+        return {"count": self.count, "bytes": self.bytes, "by_axes": self.by_axes,
+                "wire_bytes_per_device": self.wire_bytes_per_device}
+
+    def __str__(self) -> str:
+        lines = ["collective        count        bytes"]
+        for k in sorted(self.count):
+            lines.append(f"{k:<16}{self.count[k]:>6}{self.bytes[k]:>13}")
+        lines.append("by axes:")
+        for k in sorted(self.by_axes):
+            lines.append(f"  ({k}){'':<10}{self.by_axes[k]['count']:>6}{self.by_axes[k]['bytes']:>13}")
+        lines.append(f"wire bytes per device (ring): {self.wire_bytes_per_device:.0f}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SpmdProgram:
+    mesh: Mesh
+    program: Program
+    in_shardings: tuple[Sharding, ...]
+    out_shardings: tuple[Sharding, ...]
+    global_in_shapes: tuple[tuple[int, ...], ...]
+    global_out_shapes: tuple[tuple[int, ...], ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.program.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.program.output_names
+
+    def collectives(self) -> list[Eqn]:
+        return [e for e in self.program.eqns if e.prim in COMM_PRIMS]
+
+    def stats(self) -> CollectiveStats:
+        count: Counter = Counter()
+        byts: Counter = Counter()
+        by_axes: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+        wire = 0.0
+        for e in self.collectives():
+            n = collective_bytes(e)
+            count[e.prim] += 1
+            byts[e.prim] += n
+            key = ",".join(e.params["axes"])
+            by_axes[key]["count"] += 1
+            by_axes[key]["bytes"] += n
+            wire += collective_wire_bytes(e, self.mesh.group_size(e.params["axes"]))
+        return CollectiveStats(dict(count), dict(byts), dict(by_axes), wire)
+
+    def pretty(self) -> str:
+        head = [f"# SPMD program for {self.mesh} ({self.mesh.size} devices), local shapes"]
+        for n, s, g in zip(self.input_names, self.in_shardings, self.global_in_shapes):
+            head.append(f"#   in  {n}: global {list(g)} {s}")
+        for n, s, g in zip(self.output_names, self.out_shardings, self.global_out_shapes):
+            head.append(f"#   out {n}: global {list(g)} {s}")
+        return "\n".join(head) + "\n" + self.program.pretty()
+
+    __str__ = pretty
+
+    # -- file format ----------------------------------------------------------------
+    def to_json(self) -> dict:
+        p = self.program
+
+        def atom(a):
+            return a.id if isinstance(a, Var) else {"lit": a.value, "dtype": a.dtype}
+
+        def var(v):
+            return [v.id, list(v.shape), v.dtype]
+
+        return {
+            "format": FORMAT, "version": VERSION,
+            "mesh": self.mesh.to_json(),
+            "inputs": [{"var": var(v), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
+                       for v, n, s, g in zip(p.inputs, p.input_names, self.in_shardings, self.global_in_shapes)],
+            "consts": [{"var": var(v), "data": base64.b64encode(np.ascontiguousarray(c).tobytes()).decode()}
+                       for v, c in p.consts],
+            "eqns": [{"prim": e.prim, "in": [atom(a) for a in e.inputs], "out": [var(o) for o in e.outputs],
+                      "params": _jsonable(dict(e.params)), "source": e.source} for e in p.eqns],
+            "outputs": [{"atom": atom(a), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
+                        for a, n, s, g in zip(p.outputs, p.output_names, self.out_shardings, self.global_out_shapes)],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "<json>") -> "SpmdProgram":
+        if d.get("format") != FORMAT:
+            raise ArtifactError(f"{where}: not a partir SPMD program (format {d.get('format')!r}, expected {FORMAT!r})")
+        if d.get("version") != VERSION:
+            raise ArtifactError(f"{where}: format version {d.get('version')!r}; this partir_emu reads version {VERSION}. "
+                                "Re-lower the program with this version.")
+        try:
+            vars_: dict[int, Var] = {}
+
+            def mk(t):
+                v = Var(int(t[0]), tuple(int(x) for x in t[1]), str(t[2]))
+                vars_[v.id] = v
+                return v
+
+            def atom(a):
+                return Literal(a["lit"], a["dtype"]) if isinstance(a, dict) else vars_[a]
+
+            inputs = tuple(mk(i["var"]) for i in d["inputs"])
+            consts = []
+            for c in d["consts"]:
+                v = mk(c["var"])
+                arr = np.frombuffer(base64.b64decode(c["data"]), dtype=np.dtype(v.dtype)).reshape(v.shape).copy()
+                consts.append((v, arr))
+            eqns = []
+            for e in d["eqns"]:
+                ins = tuple(atom(a) for a in e["in"])
+                outs = tuple(mk(o) for o in e["out"])
+                eqns.append(Eqn(e["prim"], ins, outs, _untuple(e["params"]), e.get("source", "")))
+            prog = Program(inputs, tuple(i["name"] for i in d["inputs"]), tuple(eqns),
+                           tuple(atom(o["atom"]) for o in d["outputs"]), tuple(o["name"] for o in d["outputs"]),
+                           tuple(consts))
+            return cls(Mesh.from_json(d["mesh"]), prog,
+                       tuple(Sharding.from_json(i["sharding"]) for i in d["inputs"]),
+                       tuple(Sharding.from_json(o["sharding"]) for o in d["outputs"]),
+                       tuple(tuple(i["global_shape"]) for i in d["inputs"]),
+                       tuple(tuple(o["global_shape"]) for o in d["outputs"]),
+                       dict(d.get("meta", {})))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ArtifactError(f"{where}: malformed SPMD program ({type(exc).__name__}: {exc})") from None
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str | bytes, where: str = "<string>") -> "SpmdProgram":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{where}: not JSON ({exc})") from None
+        return cls.from_json(data, where)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.dumps())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SpmdProgram":
+        try:
+            with open(path) as f:
+                return cls.loads(f.read(), str(path))
+        except OSError as exc:
+            raise ArtifactError(f"cannot read SPMD program file {path}: {exc.strerror}") from None
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x
+
+
+def _untuple(x: Any) -> Any:
+    # params never hold lists, so every JSON list was a tuple
+    if isinstance(x, dict):
+        return {k: _untuple(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_untuple(v) for v in x)
+    return x

@@ -1,0 +1,82 @@
+"""Tactics: user decisions, written apart from the model code.
+
+A schedule is an ordered list of tactics, each using one mesh axis. A
+``ManualPartition`` tiles the matching inputs' dims by its axis (or pins them
+replicated on it); propagation then carries that axis through the program.
+Input names are pytree paths such as ``params/layer_3/mlp/w_in``; patterns are
+shell globs (``*`` also matches ``/``), tried in the order written; the first
+pattern that matches an input decides for it.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from partir_emu.errors import TacticError
+
+
+class _Replicated:
+    _inst = None
+
+    def __new__(cls):  # a singleton, so `is REPLICATED` works after copies
+        if cls._inst is None:
+            cls._inst = super().__new__(cls)
+        return cls._inst
+
+    def __repr__(self) -> str:
+        return "REPLICATED"
+
+
+REPLICATED = _Replicated()
+"""Pin an input replicated on the tactic's axis: propagation will not tile it."""
+
+
+@dataclass(frozen=True)
+class ManualPartition:
+    inputs: Mapping[str, int | _Replicated]
+    axis: str
+    name: str = ""
+    # By default a pattern that matches no input is an error (a typo would
+    # otherwise silently replicate a parameter). Set to True for schedules
+    # written for several models at once.
+    allow_unmatched: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str):
+            raise TacticError(f"ManualPartition axis must be a mesh axis name, got {self.axis!r}")
+        for pat, dim in self.inputs.items():
+            if not (dim is REPLICATED or (isinstance(dim, int) and not isinstance(dim, bool))):
+                raise TacticError(f"ManualPartition on axis {self.axis!r}: pattern {pat!r} maps to {dim!r}; "
+                                  "use a dim index (negative counts from the end) or REPLICATED")
+
+    def describe(self) -> str:
+        items = ", ".join(f"{p!r}: {d!r}" for p, d in self.inputs.items())
+        return self.name or f"ManualPartition({{{items}}}, axis={self.axis!r})"
+
+    def resolve(self, names: Sequence[str]) -> dict[int, int | _Replicated]:
+        """Input index → dim (or REPLICATED). Raises if a pattern matches nothing."""
+        out: dict[int, int | _Replicated] = {}
+        for pat, dim in self.inputs.items():
+            hits = [i for i, n in enumerate(names) if fnmatch.fnmatchcase(n, pat)]
+            if not hits and not self.allow_unmatched:
+                sample = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+                raise TacticError(f"tactic {self.describe()}: pattern {pat!r} matches no input; "
+                                  f"inputs are named by pytree path, e.g. {sample}")
+            for i in hits:
+                out.setdefault(i, dim)
+        return out
+
+
+Tactic = ManualPartition
+
+
+@dataclass(frozen=True)
+class Schedule:
+    tactics: tuple[Tactic, ...] = field(default_factory=tuple)
+
+    def __iter__(self):
+        return iter(self.tactics)
+
+    def __len__(self) -> int:
+        return len(self.tactics)

@@ -1,0 +1,196 @@
+"""JAX function + example pytrees → partir IR :class:`Program`.
+
+This is the only compiler module that imports jax. It walks the closed jaxpr,
+inlines nested calls (jit/pjit, closed_call, custom_jvp/custom_vjp, remat) and
+normalizes primitive parameters to plain Python data, so that everything
+downstream (rules, lowering, the numpy interpreter, the hardware models, the
+file format) is free of jax types.
+
+Inputs are named by pytree path with the function's argument name first
+(``params/layer_3/mlp/w_in``); outputs by their path (``0``, ``1/layer_3/...``).
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from partir_emu.compiler.ir import Eqn, Literal, Program, Var
+from partir_emu.errors import TraceError, UnsupportedPrimitiveError
+
+# Call-like primitives that are inlined, and where their body lives.
+_CALL_PARAMS = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr", "custom_lin": None,
+}
+
+# Every primitive the rest of the system handles (sharding rule, numpy impl, cost).
+SUPPORTED = frozenset("""
+neg exp exp2 log log1p expm1 tanh logistic erf erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
+sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision
+add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter
+select_n clamp
+broadcast_in_dim reshape transpose squeeze expand_dims concatenate slice pad dynamic_slice
+dynamic_update_slice rev iota split
+reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin cumsum cumprod cummax cummin
+dot_general gather scatter-add
+""".split())
+
+# Parameters that carry no meaning for us (layout, sharding hints, jaxprs of
+# reductions whose kind is in the primitive name). Dropped during normalization.
+_DROP = {"sharding", "out_sharding", "precision", "accumulation_type", "update_jaxpr", "update_consts",
+         "weak_type", "out_dtype", "algorithm", "transpose_algorithm"}
+
+
+def normalize_param(v: Any) -> Any:
+    """jax parameter value → ints, floats, bools, strings, tuples, dicts, None."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, enum.Enum):
+        return v.name
+    if hasattr(v, "_fields"):  # NamedTuple: Gather/ScatterDimensionNumbers
+        return {f: normalize_param(getattr(v, f)) for f in v._fields}
+    if isinstance(v, (tuple, list)):
+        return tuple(normalize_param(x) for x in v)
+    if isinstance(v, np.ndarray) and v.ndim == 0:
+        return normalize_param(v.item())
+    try:
+        return np.dtype(v).name
+    except TypeError:
+        pass
+    if hasattr(v, "name") and isinstance(getattr(v, "name"), str) and "dtype" in type(v).__name__.lower():
+        return np.dtype(v).name
+    raise TraceError(f"cannot normalize primitive parameter {v!r} of type {type(v).__name__}")
+
+
+def _dtype_name(aval) -> str:
+    return np.dtype(aval.dtype).name
+
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(str(k.name))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def input_names(fn: Callable, args: Sequence[Any], arg_names: Sequence[str] | None = None) -> list[str]:
+    if arg_names is None:
+        try:
+            params = [p.name for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            params = []
+        arg_names = [params[i] if i < len(params) else f"arg{i}" for i in range(len(args))]
+    names = []
+    for name, a in zip(arg_names, args):
+        leaves, _ = jax.tree_util.tree_flatten_with_path(a)
+        for path, _ in leaves:
+            p = _path_str(path)
+            names.append(f"{name}/{p}" if p else name)
+    return names
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.eqns: list[Eqn] = []
+        self.consts: list[tuple[Var, np.ndarray]] = []
+
+    def new_var(self, aval) -> Var:
+        v = Var(self.next_id, tuple(int(d) for d in aval.shape), _dtype_name(aval))
+        self.next_id += 1
+        return v
+
+    def const(self, value: Any) -> Var | Literal:
+        arr = np.asarray(value)
+        if arr.ndim == 0 and arr.dtype.kind in "biuf":
+            return Literal(arr.item(), arr.dtype.name)
+        v = Var(self.next_id, tuple(arr.shape), arr.dtype.name)
+        self.next_id += 1
+        self.consts.append((v, np.array(arr)))
+        return v
+
+    def inline(self, jaxpr, consts: Sequence[Any], args: Sequence[Var | Literal]) -> list[Var | Literal]:
+        env: dict[Any, Var | Literal] = {}
+        for cv, c in zip(jaxpr.constvars, consts):
+            env[cv] = self.const(c)
+        for iv, a in zip(jaxpr.invars, args):
+            env[iv] = a
+
+        def read(x):
+            if isinstance(x, jcore.Literal):
+                return self.const(x.val)
+            return env[x]
+
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            ins = [read(x) for x in e.invars]
+            if name in _CALL_PARAMS:
+                key = _CALL_PARAMS[name]
+                body = e.params.get(key) if key else None
+                if body is None:
+                    raise UnsupportedPrimitiveError(f"call primitive {name!r} at {_where(e)} has no body to inline")
+                if hasattr(body, "jaxpr"):  # ClosedJaxpr
+                    outs = self.inline(body.jaxpr, body.consts, ins)
+                else:
+                    outs = self.inline(body, [], ins)
+                for ov, o in zip(e.outvars, outs):
+                    env[ov] = o
+                continue
+            if name not in SUPPORTED:
+                raise UnsupportedPrimitiveError(
+                    f"primitive {name!r} at {_where(e)} is not supported by partir_emu; rewrite that part of the "
+                    f"function with supported jax.numpy/lax operations (see partir_emu.compiler.trace.SUPPORTED)")
+            params = {k: normalize_param(v) for k, v in e.params.items() if k not in _DROP}
+            outs = [self.new_var(ov.aval) for ov in e.outvars]
+            self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, _where(e)))
+            for ov, o in zip(e.outvars, outs):
+                env[ov] = o
+        return [read(x) for x in jaxpr.outvars]
+
+
+def _where(e) -> str:
+    try:
+        return source_info_util.summarize(e.source_info)
+    except Exception:  # source info is best-effort only
+        return ""
+
+
+def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> Program:
+    """Trace ``fn(*args)`` (args are pytrees of arrays or ShapeDtypeStructs) into a Program."""
+    names = input_names(fn, args, arg_names)
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except UnsupportedPrimitiveError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"tracing {getattr(fn, '__name__', fn)!r} failed: {exc}") from exc
+    b = _Builder()
+    inputs = [b.new_var(v.aval) for v in closed.jaxpr.invars]
+    assert len(inputs) == len(names), (len(inputs), len(names))
+    outs = b.inline(closed.jaxpr, closed.consts, inputs)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(out_shape)
+    out_names = [_path_str(p) or "out" for p, _ in leaves]
+    return Program(tuple(inputs), tuple(names), tuple(b.eqns), tuple(outs), tuple(out_names), tuple(b.consts))
