@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.tactics import ManualPartition
+from partir_emu.compiler.tactics import REPLICATED, ManualPartition
 from partir_emu.errors import ScenarioError
 
 Config = dict[str, int]
@@ -251,6 +251,11 @@ def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: f
 
 # -- strategies ------------------------------------------------------------------------------------
 
+# A train step returns (loss, new_params, new_opt): the new state keeps the layout of the
+# state it replaces, so that the next step can consume it (output prefix -> input prefix).
+STATE_OUTPUTS = {"1": "params", "2": "opt"}
+
+
 def data_axes(mesh: Mesh) -> list[str]:
     return [a for a in mesh.axis_names if a != MODEL_AXIS]
 
@@ -365,6 +370,10 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
                 if zero == "z3":
                     inputs[f"params/{k.pattern}"] = d
                 inputs[f"opt/*/{k.pattern}"] = d
+            if zero == "z2":
+                # ZeRO-2 keeps parameters replicated: without the pin, propagation would carry
+                # the optimizer-state tiling backward through the update into the parameters.
+                inputs["params/*"] = REPLICATED
             if inputs:
                 tactics.append(ManualPartition(inputs, axis=ax, name=f"{zero}:{ax}"))
     return tactics

@@ -57,9 +57,10 @@ class Lowered:
         return LocalMesh(self.spmd.mesh, algorithm=algorithm).run(self.spmd, list(flat_inputs))
 
 
-def lower_program(program: Program, mesh: Mesh, schedule: Sequence[ManualPartition]) -> Lowered:
+def lower_program(program: Program, mesh: Mesh, schedule: Sequence[ManualPartition],
+                  state_outputs: dict[str, str] | None = None) -> Lowered:
     states = partition(program, mesh, schedule)
-    return Lowered(program, states, lower(states[-1]))
+    return Lowered(program, states, lower(states[-1], state_outputs))
 
 
 def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> Program:
@@ -68,8 +69,10 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
 
 
 class Jitted:
-    def __init__(self, fn: Callable, mesh: Mesh, schedule: Sequence[ManualPartition], algorithm: str = "ring"):
+    def __init__(self, fn: Callable, mesh: Mesh, schedule: Sequence[ManualPartition], algorithm: str = "ring",
+                 state_outputs: dict[str, str] | None = None):
         self.fn, self.mesh, self.schedule, self.algorithm = fn, mesh, list(schedule), algorithm
+        self.state_outputs = state_outputs
         self._cache: dict[Any, Lowered] = {}
         try:
             sig = inspect.signature(fn)
@@ -92,7 +95,7 @@ class Jitted:
         if key not in self._cache:
             import jax
             prog = trace(self.fn, *args)
-            low = lower_program(prog, self.mesh, self.schedule)
+            low = lower_program(prog, self.mesh, self.schedule, self.state_outputs)
             low.in_tree = tree
             low.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
             self._cache[key] = low
@@ -106,6 +109,8 @@ class Jitted:
         return jax.tree_util.tree_unflatten(low.out_tree, res.outputs)
 
 
-def jit(fn: Callable, *, mesh: Mesh, schedule: Sequence[ManualPartition] = (), algorithm: str = "ring") -> Jitted:
-    """Partition ``fn`` over ``mesh`` with ``schedule``; calls run on the in-process mesh."""
-    return Jitted(fn, mesh, schedule, algorithm)
+def jit(fn: Callable, *, mesh: Mesh, schedule: Sequence[ManualPartition] = (), algorithm: str = "ring",
+        state_outputs: dict[str, str] | None = None) -> Jitted:
+    """Partition ``fn`` over ``mesh`` with ``schedule``; calls run on the in-process mesh.
+    ``state_outputs={"1": "params"}`` lays output ``1/...`` out like input ``params/...``."""
+    return Jitted(fn, mesh, schedule, algorithm, state_outputs)

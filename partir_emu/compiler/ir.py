@@ -10,6 +10,7 @@ shapes are local and collective primitives appear as ordinary equations.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -125,8 +126,8 @@ class Program:
         for e in self.eqns:
             yield from e.outputs
 
-    def users(self) -> dict[Var, list[int]]:
-        """Equation indices that read each value."""
+    @functools.cached_property
+    def _users(self) -> dict[Var, list[int]]:
         out: dict[Var, list[int]] = {}
         for i, e in enumerate(self.eqns):
             for a in e.inputs:
@@ -134,8 +135,16 @@ class Program:
                     out.setdefault(a, []).append(i)
         return out
 
-    def producers(self) -> dict[Var, int]:
+    def users(self) -> dict[Var, list[int]]:
+        """Equation indices that read each value (computed once; do not mutate)."""
+        return self._users
+
+    @functools.cached_property
+    def _producers(self) -> dict[Var, int]:
         return {o: i for i, e in enumerate(self.eqns) for o in e.outputs}
+
+    def producers(self) -> dict[Var, int]:
+        return self._producers
 
     def next_id(self) -> int:
         return 1 + max((v.id for v in self.vars()), default=-1)

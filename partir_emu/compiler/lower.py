@@ -36,6 +36,13 @@ class _Lowerer:
         self.local: dict[Var, Var] = {}
         self.cache: dict[tuple[Var, Sharding], Var] = {}
         self.inputs = set(state.program.inputs)
+        # A pending sum passes through a linear reader only if *every* reader of the value is
+        # linear; otherwise it is resolved once and all readers share the resolved value.
+        users = state.program.users()
+        self.linear_only = {v: all(state.rules[i].linear for i in us) for v, us in users.items()}
+        for o in state.program.outputs:
+            if isinstance(o, Var):
+                self.linear_only[o] = False
 
     def new_var(self, shape, dtype) -> Var:
         v = Var(self.next_id, tuple(shape), dtype)
@@ -129,7 +136,7 @@ class _Lowerer:
         return x, all(k == "all_gather" for k in kinds)
 
     # -- the pass ---------------------------------------------------------------------
-    def run(self) -> SpmdProgram:
+    def run(self, out_targets: dict[int, Sharding] | None = None) -> SpmdProgram:
         st, mesh, p = self.state, self.mesh, self.state.program
         in_locals = []
         in_shardings = []
@@ -147,12 +154,13 @@ class _Lowerer:
         for i, e in enumerate(p.eqns):
             self.lower_eqn(i, e)
         outs, out_shardings = [], []
-        for o, name in zip(p.outputs, p.output_names):
+        for k, (o, name) in enumerate(zip(p.outputs, p.output_names)):
             if isinstance(o, Literal):
                 outs.append(o)
                 out_shardings.append(Sharding(()))
                 continue
-            tgt = Sharding(self.actual[o].dims)
+            tgt = (out_targets or {}).get(k) or Sharding(self.actual[o].dims)
+            tgt.validate(o.shape, mesh, f"output {name!r}")
             outs.append(self.reshard(o, tgt, f"output {name}"))
             out_shardings.append(tgt)
         prog = Program(tuple(in_locals), p.input_names, tuple(self.eqns), tuple(outs), p.output_names, tuple(consts))
@@ -169,7 +177,7 @@ class _Lowerer:
         passthrough: tuple[str, ...] = ()
         if rule.linear:
             partials = {self.actual[a].partial if isinstance(a, Var) else () for a in e.inputs}
-            if len(partials) == 1:
+            if len(partials) == 1 and all(self.linear_only.get(a, False) for a in e.inputs if isinstance(a, Var)):
                 (pp,) = partials
                 if pp and not (set(pp) & used):
                     passthrough = pp
@@ -216,6 +224,23 @@ def localize_params(e: Eqn, ins, outs) -> dict:
     return p
 
 
-def lower(state: ShardingState) -> SpmdProgram:
-    return _Lowerer(state).run()
+def lower(state: ShardingState, state_outputs: dict[str, str] | None = None) -> SpmdProgram:
+    """Lower the final sharding state. ``state_outputs`` maps an output-name prefix to an
+    input-name prefix (``{"1": "params"}``): each such output is given the sharding of the input
+    of the same path, as a training step's new state must be laid out like the state it replaces."""
+    p = state.program
+    targets: dict[int, Sharding] = {}
+    if state_outputs:
+        by_name = dict(zip(p.input_names, p.inputs))
+        for k, name in enumerate(p.output_names):
+            head, _, rest = name.partition("/")
+            if head in state_outputs:
+                src = f"{state_outputs[head]}/{rest}" if rest else state_outputs[head]
+                v = by_name.get(src)
+                if v is None:
+                    raise LoweringError(f"output {name!r} should mirror input {src!r}, which does not exist")
+                if v.shape != p.outputs[k].shape:
+                    raise LoweringError(f"output {name!r} {p.outputs[k].shape} cannot mirror input {src!r} {v.shape}")
+                targets[k] = state.sharding(v)
+    return _Lowerer(state).run(targets)
 

@@ -16,7 +16,7 @@ from partir_emu.errors import MeshError
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Mesh:
     """``Mesh(batch=2, model=4)`` or ``Mesh.from_items([("batch", 2), ("model", 4)])``."""
 
@@ -27,6 +27,9 @@ class Mesh:
         items = items + tuple(sizes.items())
         object.__setattr__(self, "axes", tuple((str(n), s) for n, s in items))
         self._validate()
+        # group sizes are asked for in the compiler's inner loops: memoize them
+        object.__setattr__(self, "_sizes", dict(self.axes))
+        object.__setattr__(self, "_group_cache", {})
 
     @classmethod
     def from_items(cls, items: Iterable[tuple[str, int]]) -> "Mesh":
@@ -73,13 +76,19 @@ class Mesh:
         return math.prod(s for _, s in self.axes)
 
     def axis_size(self, name: str) -> int:
-        for n, s in self.axes:
-            if n == name:
-                return s
+        s = self._sizes.get(name)
+        if s is not None:
+            return s
         raise MeshError(f"axis {name!r} is not in mesh {self}; its axes are {list(self.axis_names)}")
 
     def group_size(self, axes: Sequence[str]) -> int:
-        return math.prod(self.axis_size(a) for a in axes)
+        try:
+            return self._group_cache[axes]
+        except (KeyError, TypeError):
+            n = math.prod(self.axis_size(a) for a in axes)
+            if isinstance(axes, tuple):
+                self._group_cache[axes] = n
+            return n
 
     def check_axis(self, name: str) -> str:
         self.axis_size(name)
@@ -117,6 +126,12 @@ class Mesh:
             key = tuple(c[o] for o in others)
             result.setdefault(key, []).append((self.group_index(d, axes), d))
         return [[d for _, d in sorted(g)] for _, g in sorted(result.items())]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and other.axes == self.axes
+
+    def __hash__(self) -> int:
+        return hash(self.axes)
 
     def to_json(self) -> list[list]:
         return [[n, s] for n, s in self.axes]

@@ -37,7 +37,7 @@ class ShardingState:
     program: Program
     mesh: Mesh
     rules: list[FactorRule]
-    value_dims: dict[Var, list[tuple[str, ...]]]
+    value_dims: dict[Var, tuple[tuple[str, ...], ...]]
     eqn_factors: list[dict[int, tuple[str, ...]]]
     pinned: dict[Var, set[str]] = field(default_factory=dict)      # axes a value must not take
     origin: dict[tuple[int, str], str] = field(default_factory=dict)  # (var id, axis) -> why
@@ -46,11 +46,11 @@ class ShardingState:
 
     @classmethod
     def initial(cls, program: Program, mesh: Mesh) -> "ShardingState":
-        vd = {v: [()] * v.ndim for v in program.vars()}
-        return cls(program, mesh, [rule_for(e) for e in program.eqns], vd, [{} for _ in program.eqns])
+        vd = {v: ((),) * v.ndim for v in program.vars()}
+        return cls(program, mesh, rules_for(program), vd, [{} for _ in program.eqns])
 
     def copy(self) -> "ShardingState":
-        return ShardingState(self.program, self.mesh, self.rules, {v: list(d) for v, d in self.value_dims.items()},
+        return ShardingState(self.program, self.mesh, self.rules, dict(self.value_dims),
                              [dict(f) for f in self.eqn_factors], {v: set(s) for v, s in self.pinned.items()},
                              dict(self.origin), list(self.conflicts), list(self.tactics_applied))
 
@@ -58,22 +58,13 @@ class ShardingState:
     def dims_from_factors(self, e: int, dims: tuple[tuple[int, ...], ...]) -> list[tuple[str, ...]] | None:
         """Axes of each tensor dim implied by equation ``e``'s factor tiling (None if some dim's
         tiling is not a contiguous block layout)."""
+        F, sizes = self.eqn_factors[e], self.rules[e].sizes
         out = []
-        F = self.eqn_factors[e]
-        sizes = self.rules[e].sizes
         for factors in dims:
-            axes: tuple[str, ...] = ()
-            closed = False   # a factor before was not fully tiled: minor ones must stay untiled
-            for f in factors:
-                if sizes[f] == 1:
-                    continue
-                fa = F.get(f, ())
-                if closed and fa:
-                    return None
-                axes += fa
-                if self.mesh.group_size(fa) != sizes[f]:
-                    closed = True
-            out.append(axes)
+            a = _dim_axes(F, sizes, factors, self.mesh)
+            if a is None:
+                return None
+            out.append(a)
         return out
 
     def result_sharding(self, e: int, k: int = 0) -> Sharding:
@@ -112,6 +103,20 @@ class ShardingState:
     def _why(self, v: Var) -> str:
         whys = [f"{a}: {self.origin[(v.id, a)]}" for d in self.value_dims[v] for a in d if (v.id, a) in self.origin]
         return ("   # " + "; ".join(whys)) if whys else ""
+
+
+def rules_for(program: Program) -> list[FactorRule]:
+    """The factor rule of every equation; identical equations (every layer of a deep model)
+    share one rule object."""
+    cache: dict = {}
+    out = []
+    for e in program.eqns:
+        key = (e.prim, tuple(a.shape for a in e.inputs), tuple(o.shape for o in e.outputs), repr(e.params))
+        r = cache.get(key)
+        if r is None:
+            r = cache[key] = rule_for(e)
+        out.append(r)
+    return out
 
 
 def _mesh_order(mesh: Mesh, axes) -> tuple[str, ...]:
@@ -169,7 +174,7 @@ def apply_tactic(state: ShardingState, tactic: ManualPartition, index: int) -> N
         if v.shape[dim] % k:
             raise ShardingError(f"tactic {label}: dim {dim} of input {name!r} has size {v.shape[dim]}, which is not "
                                 f"divisible by {k} (axes {dims[dim] + (axis,)} of {mesh}); pick another dim or mesh")
-        dims[dim] = dims[dim] + (axis,)
+        state.value_dims[v] = dims[:dim] + (dims[dim] + (axis,),) + dims[dim + 1:]
         state.origin[(v.id, axis)] = f"{label} (input {name!r} dim {dim})"
         seeds.append(v)
     propagate(state, axis, seeds, label)
@@ -180,6 +185,9 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
     p = state.program
     users = _users(state)
     producers = _producers(state)
+    slots_of = _all_slots(state)
+    value_dims = state.value_dims
+    mesh = state.mesh
     queue: deque[int] = deque()
     queued: set[int] = set()
 
@@ -202,20 +210,23 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
             seen_conflicts.add((e, axis))
             state.conflicts.append(Conflict(axis, e, f"{p.eqns[e].prim} at {p.eqns[e].source or '?'}: {msg}"))
 
-    n_axis = state.mesh.axis_size(axis)
+    n_axis = mesh.axis_size(axis)
     while queue:
         e = queue.popleft()
         queued.discard(e)
-        eqn = p.eqns[e]
         rule = state.rules[e]
         F = state.eqn_factors[e]
-        slots = _slots(eqn, rule)
-        current = next((f for f, ax in F.items() if axis in ax), None)
+        slots = slots_of[e]
+        current = None
+        for f, ax in F.items():
+            if axis in ax:
+                current = f
+                break
         cands: dict[int, Var] = {}
         for v, factors in slots:
-            for d, fs in enumerate(factors):
-                if axis in state.value_dims[v][d]:
-                    f = _factor_of_axis(state, rule.sizes, fs, state.value_dims[v][d], axis)
+            for d, da in enumerate(value_dims[v]):
+                if axis in da:
+                    f = _factor_of_axis(state, rule.sizes, factors[d], da, axis)
                     if f is not None:
                         cands.setdefault(f, v)
         if current is None:
@@ -229,47 +240,90 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
             if f in rule.blocked:
                 continue
             have = F.get(f, ())
-            if rule.sizes[f] % (state.mesh.group_size(have) * n_axis):
+            if rule.sizes[f] % (mesh.group_size(have) * n_axis):
                 continue
             F[f] = have + (axis,)
-            # every operand/result must be able to express the new tiling
-            if any(state.dims_from_factors(e, fs) is None for _, fs in slots):
+            # every operand/result dim made of this factor must express the new tiling as blocks
+            if any(_dim_axes(F, rule.sizes, slots[k][1][d], mesh) is None for k, d in _factor_dims(rule)[f]):
                 F[f] = have
                 conflict(e, f"tiling factor of size {rule.sizes[f]} by {axis!r} is not a block layout here")
                 continue
             current = f
-            origin_src = state.origin.get((src.id, axis), label)
-            why = f"{label} via {eqn.prim} from {src}" if origin_src else label
+            why = f"{label} via {p.eqns[e].prim} from {src}"
         else:
             for f, v in cands.items():
                 if f != current:
                     conflict(e, f"{v} wants another factor tiled by {axis!r} than the one chosen")
-            why = f"{label} via {eqn.prim}"
-        # push the decision to every operand and result
-        for v, fs in slots:
-            want = state.dims_from_factors(e, fs)
-            dims = state.value_dims[v]
-            for d, w in enumerate(want):
-                if axis not in w or axis in dims[d]:
-                    continue
-                if any(axis in x for x in dims):
-                    conflict(e, f"{v} already uses {axis!r} on another dim")
-                    continue
-                if axis in state.pinned.get(v, ()):
-                    conflict(e, f"{v} is pinned REPLICATED on {axis!r}")
-                    continue
-                if dims[d] + (axis,) != w:
-                    conflict(e, f"{v} dim {d} is tiled {dims[d]}, the equation wants {w}")
-                    continue
-                dims[d] = w
-                state.origin[(v.id, axis)] = why
-                enqueue_value(v)
+            why = f"{label} via {p.eqns[e].prim}"
+        # push the decision to every operand and result dim made of that factor
+        for k, d in _factor_dims(rule).get(current, ()):
+            v, factors = slots[k]
+            dims = value_dims[v]
+            if axis in dims[d]:
+                continue
+            w = _dim_axes(F, rule.sizes, factors[d], mesh)
+            if any(axis in x for x in dims):
+                conflict(e, f"{v} already uses {axis!r} on another dim")
+                continue
+            if axis in state.pinned.get(v, ()):
+                conflict(e, f"{v} is pinned REPLICATED on {axis!r}")
+                continue
+            if w is None or dims[d] + (axis,) != w:
+                conflict(e, f"{v} dim {d} is tiled {dims[d]}, the equation wants {w}")
+                continue
+            value_dims[v] = dims[:d] + (w,) + dims[d + 1:]
+            state.origin[(v.id, axis)] = why
+            enqueue_value(v)
+
+
+def _dim_axes(F: dict[int, tuple[str, ...]], sizes, factors, mesh: Mesh) -> tuple[str, ...] | None:
+    """Axes of one tensor dim made of ``factors``; None if not a contiguous block layout
+    (a factor not fully tiled may only be followed by untiled factors)."""
+    axes: tuple[str, ...] = ()
+    closed = False
+    for f in factors:
+        fa = F.get(f)
+        if not fa:
+            if sizes[f] != 1 and axes:
+                closed = True
+            continue
+        if closed:
+            return None
+        axes += fa
+        if mesh.group_size(fa) != sizes[f]:
+            closed = True
+    return axes
+
+
+def _factor_dims(rule: FactorRule) -> dict[int, list[tuple[int, int]]]:
+    """factor -> [(slot index, dim)] over the rule's non-empty operands then results (as _slots)."""
+    cached = rule.__dict__.get("_fd")
+    if cached is None:
+        cached = {}
+        k = 0
+        for dims in (*rule.operands, *rule.results):
+            if not dims:
+                continue
+            for d, fs in enumerate(dims):
+                for f in fs:
+                    cached.setdefault(f, []).append((k, d))
+            k += 1
+        object.__setattr__(rule, "_fd", cached)
+    return cached
 
 
 def _slots(eqn: Eqn, rule: FactorRule) -> list[tuple[Var, tuple]]:
-    out = [(a, fs) for a, fs in zip(eqn.inputs, rule.operands) if isinstance(a, Var) and fs]
+    out = [(a, fs) for a, fs in zip(eqn.inputs, rule.operands) if fs]
     out += [(o, fs) for o, fs in zip(eqn.outputs, rule.results) if fs]
     return out
+
+
+def _all_slots(state: ShardingState) -> list[list[tuple[Var, tuple]]]:
+    cache = getattr(state, "_slots_cache", None)
+    if cache is None:
+        cache = [_slots(e, r) for e, r in zip(state.program.eqns, state.rules)]
+        state._slots_cache = cache  # type: ignore[attr-defined]
+    return cache
 
 
 def _users(state: ShardingState) -> dict[Var, list[int]]:

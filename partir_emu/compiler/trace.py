@@ -132,7 +132,7 @@ class _Builder:
         self.consts.append((v, np.array(arr)))
         return v
 
-    def inline(self, jaxpr, consts: Sequence[Any], args: Sequence[Var | Literal]) -> list[Var | Literal]:
+    def inline(self, jaxpr, consts: Sequence[Any], args: Sequence[Var | Literal], outer: str = "") -> list[Var | Literal]:
         env: dict[Any, Var | Literal] = {}
         for cv, c in zip(jaxpr.constvars, consts):
             env[cv] = self.const(c)
@@ -151,21 +151,24 @@ class _Builder:
                 key = _CALL_PARAMS[name]
                 body = e.params.get(key) if key else None
                 if body is None:
-                    raise UnsupportedPrimitiveError(f"call primitive {name!r} at {_where(e)} has no body to inline")
+                    raise UnsupportedPrimitiveError(f"call primitive {name!r} at {_where(e) or outer} has no body "
+                                                    "to inline")
+                where = _where(e) or outer
                 if hasattr(body, "jaxpr"):  # ClosedJaxpr
-                    outs = self.inline(body.jaxpr, body.consts, ins)
+                    outs = self.inline(body.jaxpr, body.consts, ins, where)
                 else:
-                    outs = self.inline(body, [], ins)
+                    outs = self.inline(body, [], ins, where)
                 for ov, o in zip(e.outvars, outs):
                     env[ov] = o
                 continue
+            where = _where(e) or outer
             if name not in SUPPORTED:
                 raise UnsupportedPrimitiveError(
-                    f"primitive {name!r} at {_where(e)} is not supported by partir_emu; rewrite that part of the "
+                    f"primitive {name!r} at {where} is not supported by partir_emu; rewrite that part of the "
                     f"function with supported jax.numpy/lax operations (see partir_emu.compiler.trace.SUPPORTED)")
             params = {k: normalize_param(v) for k, v in e.params.items() if k not in _DROP}
             outs = [self.new_var(ov.aval) for ov in e.outvars]
-            self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, _where(e)))
+            self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, where))
             for ov, o in zip(e.outvars, outs):
                 env[ov] = o
         return [read(x) for x in jaxpr.outvars]

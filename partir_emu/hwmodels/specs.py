@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from partir_emu.errors import SpecError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
+    import tomli as tomllib  # type: ignore[no-redef]
 
 DATA_DIR = Path(__file__).parent / "data"
 ENV_VAR = "PARTIR_EMU_HW_PATH"
@@ -176,6 +181,14 @@ def load_spec(name_or_path: str | os.PathLike | HardwareSpec,
     if isinstance(name_or_path, HardwareSpec):
         name_or_path = name_or_path.path
     path = find_spec(name_or_path)
+    key = None
+    if not overrides:
+        try:
+            key = (str(path.resolve()), path.stat().st_mtime_ns)
+        except OSError:
+            key = None
+        if key in _LOADED:
+            return _LOADED[key]
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -189,7 +202,13 @@ def load_spec(name_or_path: str | os.PathLike | HardwareSpec,
         if not isinstance(target, dict):
             raise SpecError(f"{path}: override {key!r} names table [{table}], which is not a table")
         target[fld] = value
-    return spec_from_dict(data, str(path))
+    spec = spec_from_dict(data, str(path))
+    if key is not None:
+        _LOADED[key] = spec
+    return spec
+
+
+_LOADED: dict[tuple[str, int], HardwareSpec] = {}
 
 
 def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSpec:

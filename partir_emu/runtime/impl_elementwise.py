@@ -8,7 +8,8 @@ compute in a wider type (``erf`` computes in float64).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,10 @@ def _round(x: np.ndarray, rounding_method: Any = 0, **_: Any) -> np.ndarray:
     # lax.RoundingMethod: 0 / AWAY_FROM_ZERO, 1 / TO_NEAREST_EVEN
     if rounding_method in (1, "TO_NEAREST_EVEN"):
         return np.round(x)
-    return np.copysign(np.floor(np.abs(x) + np.asarray(0.5, x.dtype)), x)
+    a = np.abs(x)
+    fl = np.floor(a)
+    # compare the exact fraction with 0.5 (floor(a + 0.5) rounds 0.49999997 up in float32)
+    return np.copysign(np.where(a - fl >= 0.5, fl + 1, fl), x)
 
 
 def _logistic(x: np.ndarray, **_: Any) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Elementwise primitives: ``ij,ij->ij`` (scalar operands have no dims)."""
+"""Elementwise primitives: ``ij,ij->ij`` (scalar operands have no dims; a size-1 dim
+broadcast implicitly, as lax allows for rank-equal operands, gets a factor of its own)."""
 from __future__ import annotations
 
 from partir_emu.compiler.ir import Eqn
@@ -17,7 +18,12 @@ def elementwise_rule(eqn: Eqn) -> FactorRule:
     b = RuleBuilder()
     out = eqn.outputs[0]
     dims = b.fresh_dims(out.shape)
-    ops = [dims if a.ndim == out.ndim else () for a in eqn.inputs]
+    ops = []
+    for a in eqn.inputs:
+        if a.ndim != out.ndim:   # a scalar operand
+            ops.append(())
+        else:   # lax broadcasts size-1 dims implicitly (rank-equal operands)
+            ops.append(tuple(d if n == m else (b.new(1),) for d, n, m in zip(dims, a.shape, out.shape)))
     linear = eqn.prim in LINEAR and not (eqn.prim == "convert_element_type"
                                          and not eqn.params.get("new_dtype", "").startswith(("float", "bfloat")))
     return b.rule(ops, [dims], linear=linear)

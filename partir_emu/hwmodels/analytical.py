@@ -1,0 +1,299 @@
+"""The analytical simulator: step time, breakdowns and peak memory of an SpmdProgram.
+
+``simulate(spmd, spec)`` walks the per-device program once (an interpreter over
+equations, like every other pass):
+
+- a compute equation takes ``max(flops / rate, hbm_bytes / hbm_bw)`` (roofline;
+  ``costs.cost_rules`` gives FLOPs and bytes; matmuls run at the chip's peak for
+  their dtype, other ops at ``vector_flops_per_s``);
+- a communicating collective takes the price of its algorithm's schedule on the
+  placed topology (``comm.CommModel``);
+- without overlap the step is the sum of both; with ``overlap=True`` a list
+  schedule with one compute stream and one communication stream, each in program
+  order, respecting data dependencies;
+- peak memory per device from buffer liveness (``memory.peak_memory``).
+
+The per-program analysis (FLOPs, bytes, liveness, dependencies) does not depend
+on the hardware and is cached per program object, so re-pricing one program on
+many specs or placements is cheap.
+"""
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partir_emu.compiler.ir import Program, Var
+from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram, collective_bytes
+from partir_emu.hwmodels.comm import CommModel
+from partir_emu.hwmodels.costs import KINDS, cost_rules, eqn_cost, op_kind
+from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
+from partir_emu.hwmodels.placement import Placement, place
+from partir_emu.hwmodels.specs import HardwareSpec, load_spec
+
+_RATE_MM16, _RATE_MM32, _RATE_VEC = 0, 1, 2
+_MM16 = frozenset({"bfloat16", "float16", "int8", "uint8", "int16", "uint16"})
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    index: int                # equation index
+    prim: str
+    axes: tuple[str, ...]
+    nbytes: int               # full buffer per device (nccl-tests "size")
+    group_size: int
+    algorithm: str
+    time_s: float
+    start_s: float = 0.0      # with overlap: when it starts on the communication stream
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "prim": self.prim, "axes": list(self.axes), "nbytes": self.nbytes,
+                "group_size": self.group_size, "algorithm": self.algorithm, "time_s": self.time_s,
+                "start_s": self.start_s}
+
+
+@dataclass(frozen=True)
+class SimReport:
+    """What ``simulate`` predicts for one step on one device (all devices run the same program)."""
+
+    spec: str
+    topology: str
+    placement: str
+    mesh: str
+    num_devices: int
+    overlap: bool
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float           # step_s - compute_s: communication not hidden behind compute
+    flops_per_device: float
+    hbm_traffic_bytes: float        # bytes moved to/from HBM by compute ops
+    peak_bytes_per_device: int
+    hbm_bytes: int                  # HBM capacity of one chip
+    fits: bool
+    memory: dict[str, int]          # breakdown of the peak (memory.CATEGORIES)
+    peak_at: int
+    by_op_kind: dict[str, dict[str, float]]
+    by_prim: dict[str, dict[str, float]]
+    by_collective: dict[str, dict[str, float]]
+    by_axes: dict[str, dict[str, float]]
+    mfu: float                      # flops_per_device / (step_s * bf16 peak)
+    collectives: tuple[CollectiveRow, ...] = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in (
+            "spec", "topology", "placement", "mesh", "num_devices", "overlap", "step_s", "compute_s", "comm_s",
+            "exposed_comm_s", "flops_per_device", "hbm_traffic_bytes", "peak_bytes_per_device", "hbm_bytes",
+            "fits", "memory", "peak_at", "mfu", "by_op_kind", "by_prim", "by_collective", "by_axes")}
+        d["collectives"] = [r.to_json() for r in self.collectives]
+        return d
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    def table(self, top: int = 10) -> str:
+        """A readable summary: totals, memory, time by op kind, by collective, by axes, slowest collectives."""
+        gib = 2 ** 30
+        lines = [f"{self.spec} | {self.topology}",
+                 f"placement: {self.placement}",
+                 f"step {_t(self.step_s)}  = compute {_t(self.compute_s)} + comm {_t(self.comm_s)}"
+                 + (f" (overlap on, exposed comm {_t(self.exposed_comm_s)})" if self.overlap else ""),
+                 f"flops/device {self.flops_per_device:.3g}   HBM traffic {self.hbm_traffic_bytes / 1e9:.3g} GB",
+                 f"peak memory {self.peak_bytes_per_device / gib:.3f} GiB of {self.hbm_bytes / gib:.3f} GiB"
+                 f" -> {'fits' if self.fits else 'DOES NOT FIT'}",
+                 "  " + "  ".join(f"{k} {v / gib:.3f}" for k, v in self.memory.items() if v), ""]
+        lines.append(f"{'op kind':<14}{'count':>7}{'time':>12}{'share':>8}{'GFLOP':>12}{'GB':>10}")
+        total = self.step_s if not self.overlap else self.compute_s + self.comm_s
+        for k, r in sorted(self.by_op_kind.items(), key=lambda kv: -kv[1]["time_s"]):
+            lines.append(f"{k:<14}{int(r['count']):>7}{_t(r['time_s']):>12}{_pct(r['time_s'], total):>8}"
+                         f"{r['flops'] / 1e9:>12.3f}{r['bytes'] / 1e9:>10.3f}")
+        if self.by_collective:
+            lines += ["", f"{'collective':<16}{'count':>7}{'time':>12}{'MB':>12}"]
+            for k, r in sorted(self.by_collective.items(), key=lambda kv: -kv[1]["time_s"]):
+                lines.append(f"{k:<16}{int(r['count']):>7}{_t(r['time_s']):>12}{r['bytes'] / 1e6:>12.3f}")
+            lines += ["", f"{'axes':<16}{'count':>7}{'time':>12}{'MB':>12}"]
+            for k, r in sorted(self.by_axes.items(), key=lambda kv: -kv[1]["time_s"]):
+                lines.append(f"{k:<16}{int(r['count']):>7}{_t(r['time_s']):>12}{r['bytes'] / 1e6:>12.3f}")
+            lines += ["", f"slowest collectives (of {len(self.collectives)}):",
+                      f"{'eqn':>6} {'prim':<15}{'axes':<14}{'MB':>10}{'algorithm':>14}{'time':>12}"]
+            for r in sorted(self.collectives, key=lambda r: -r.time_s)[:top]:
+                lines.append(f"{r.index:>6} {r.prim:<15}{','.join(r.axes):<14}{r.nbytes / 1e6:>10.3f}"
+                             f"{r.algorithm:>14}{_t(r.time_s):>12}")
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
+
+
+def _pct(x: float, total: float) -> str:
+    return f"{100 * x / total:.1f}%" if total > 0 else "-"
+
+
+# -- per-program analysis (hardware independent, cached) --------------------------------------------------
+@dataclass(frozen=True)
+class ProgramCosts:
+    flops: np.ndarray            # per equation
+    bytes: np.ndarray
+    rate_class: np.ndarray       # _RATE_MM16 | _RATE_MM32 | _RATE_VEC
+    kind: np.ndarray             # index into KINDS
+    prim_index: np.ndarray       # index into prim_names
+    prim_names: tuple[str, ...]
+    comm: tuple[tuple[int, str, tuple[str, ...], int, str], ...]   # (index, prim, axes, nbytes, dtype)
+    memory: MemoryProfile
+    _deps: list = field(default_factory=list, repr=False)
+
+    def deps(self, program: Program) -> tuple[tuple[int, ...], ...]:
+        """Producer equations of each equation (computed on first use)."""
+        if not self._deps:
+            producer: dict[int, int] = {}
+            out = []
+            for i, e in enumerate(program.eqns):
+                d = [producer[a.id] for a in e.inputs if type(a) is Var and a.id in producer]
+                out.append(tuple(d))
+                for o in e.outputs:
+                    producer[o.id] = i
+            self._deps.append(tuple(out))
+        return self._deps[0]
+
+
+_ANALYSES: dict[int, tuple[weakref.ref, ProgramCosts]] = {}
+_KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+
+
+def analyze(program: Program) -> ProgramCosts:
+    """FLOPs, bytes, kinds, collectives and liveness of a program (hardware independent; cached per object)."""
+    hit = _ANALYSES.get(id(program))
+    if hit is not None and hit[0]() is program:
+        return hit[1]
+    n = len(program.eqns)
+    flops = [0.0] * n
+    byts = [0.0] * n
+    rate = [_RATE_VEC] * n
+    kind = [0] * n
+    pidx = [0] * n
+    prim_ids: dict[str, int] = {}
+    comm = []
+    rules, kinds, kind_index = cost_rules, op_kind, _KIND_INDEX
+    for i, e in enumerate(program.eqns):
+        prim = e.prim
+        rule = rules.get(prim)
+        f, b = rule(e) if rule is not None else eqn_cost(e)
+        flops[i] = f
+        byts[i] = b
+        k = kinds[prim]
+        kind[i] = kind_index[k]
+        p = prim_ids.get(prim)
+        if p is None:
+            p = prim_ids[prim] = len(prim_ids)
+        pidx[i] = p
+        if k == "matmul":
+            rate[i] = _RATE_MM16 if e.inputs[0].dtype in _MM16 else _RATE_MM32
+        elif k == "collective":
+            comm.append((i, prim, tuple(e.params["axes"]), collective_bytes(e), e.inputs[0].dtype))
+    pc = ProgramCosts(np.array(flops), np.array(byts), np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
+                      np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm), peak_memory(program))
+    if len(_ANALYSES) > 256:
+        for key in [k for k, (ref, _) in _ANALYSES.items() if ref() is None]:
+            del _ANALYSES[key]
+    _ANALYSES[id(program)] = (weakref.ref(program), pc)
+    return pc
+
+
+# -- the simulator ------------------------------------------------------------------------------------
+def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
+             overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
+             slice_dims: tuple[int, ...] | None = None) -> SimReport:
+    """Predict one step of ``spmd`` on ``spec`` hardware.
+
+    ``placement``: a :class:`Placement`, a mapping string such as ``"model=x,batch=yz"`` (or dict), or
+    ``None`` for the default placement; ``slice_dims`` picks a TPU slice shape. ``algorithms`` overrides
+    the collective algorithm, for all kinds (a name) or per kind (``{"all_reduce": "ring"}``)."""
+    spec = load_spec(spec)
+    if not isinstance(placement, Placement):
+        placement = place(spmd.mesh, spec, placement, slice_dims)
+    pc = analyze(spmd.program)
+    rates = np.array([spec.flops_bf16_per_s, spec.flops_f32_per_s, spec.vector_flops_per_s])
+    times = np.maximum(pc.flops / rates[pc.rate_class], pc.bytes / spec.hbm_bw_bytes_per_s)
+
+    model = CommModel(placement, algorithms)
+    rows = []
+    for i, prim, axes, nbytes, dtype in pc.comm:
+        c = model.cost(prim, axes, nbytes, dtype)
+        times[i] = c.time_s
+        rows.append(CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s))
+    is_comm = np.zeros(len(times), dtype=bool)
+    is_comm[[r.index for r in rows]] = True
+    compute_s = float(times[~is_comm].sum())
+    comm_s = float(times[is_comm].sum())
+    if overlap:
+        step_s, starts = _overlap_schedule(times, is_comm, pc.deps(spmd.program))
+        rows = [CollectiveRow(r.index, r.prim, r.axes, r.nbytes, r.group_size, r.algorithm, r.time_s, starts[r.index])
+                for r in rows]
+    else:
+        step_s = compute_s + comm_s
+        if rows:
+            starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))
+            rows = [CollectiveRow(r.index, r.prim, r.axes, r.nbytes, r.group_size, r.algorithm, r.time_s,
+                                  float(starts[r.index])) for r in rows]
+
+    nk = len(KINDS)
+    ksums = [np.bincount(pc.kind, weights=w, minlength=nk).tolist() for w in (None, times, pc.flops, pc.bytes)]
+    by_kind = {name: {"count": int(ksums[0][k]), "time_s": ksums[1][k], "flops": ksums[2][k], "bytes": ksums[3][k]}
+               for k, name in enumerate(KINDS) if ksums[0][k]}
+    m = len(pc.prim_names)
+    sums = [np.bincount(pc.prim_index, weights=w, minlength=m).tolist()
+            for w in (None, times, pc.flops, pc.bytes)]
+    by_prim = {name: {"count": int(sums[0][j]), "time_s": sums[1][j], "flops": sums[2][j], "bytes": sums[3][j]}
+               for j, name in enumerate(pc.prim_names)}
+    by_coll: dict[str, dict[str, float]] = {}
+    by_axes: dict[str, dict[str, float]] = {}
+    for r in rows:
+        for table, key in ((by_coll, r.prim), (by_axes, ",".join(r.axes))):
+            d = table.setdefault(key, {"count": 0, "time_s": 0.0, "bytes": 0})
+            d["count"] += 1
+            d["time_s"] += r.time_s
+            d["bytes"] += r.nbytes
+
+    mem = pc.memory
+    flops_total = float(pc.flops.sum())
+    report = SimReport(
+        spec=spec.name, topology=placement.topology.describe(), placement=placement.describe(), mesh=str(spmd.mesh),
+        num_devices=spmd.mesh.size, overlap=overlap, step_s=float(step_s), compute_s=compute_s, comm_s=comm_s,
+        exposed_comm_s=float(step_s) - compute_s, flops_per_device=flops_total,
+        hbm_traffic_bytes=float(pc.bytes.sum()), peak_bytes_per_device=mem.peak_bytes, hbm_bytes=spec.hbm_bytes,
+        fits=mem.peak_bytes <= spec.hbm_bytes, memory=dict(mem.breakdown), peak_at=mem.peak_at,
+        by_op_kind=by_kind, by_prim=by_prim, by_collective=by_coll, by_axes=by_axes,
+        mfu=flops_total / (step_s * spec.flops_bf16_per_s) if step_s > 0 else 0.0, collectives=tuple(rows))
+    return report
+
+
+def _overlap_schedule(times: np.ndarray, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...]
+                      ) -> tuple[float, list[float]]:
+    """One compute and one communication stream, each in program order; an equation starts when its
+    stream is free and its producers have finished. Returns (makespan, start time of each equation)."""
+    n = len(times)
+    finish = [0.0] * n
+    starts = [0.0] * n
+    free = [0.0, 0.0]
+    tl = times.tolist()
+    cl = is_comm.tolist()
+    end = 0.0
+    for i in range(n):
+        s = free[cl[i]]
+        for j in deps[i]:
+            if finish[j] > s:
+                s = finish[j]
+        f = s + tl[i]
+        starts[i] = s
+        finish[i] = f
+        free[cl[i]] = f
+        if f > end:
+            end = f
+    return end, starts

@@ -1,0 +1,305 @@
+"""Physical topologies as graphs of directed links, and their routing.
+
+Nodes are chips (ints ``0..num_chips-1``, numbered row-major over the physical
+dims, the first dim most major) and switches (strings such as ``"nvswitch0"``,
+``"leaf1"``, ``"spine"``). Every :class:`Link` is one direction of a physical
+connection with its own bandwidth (bidirectional hardware = two links).
+
+``Topology.route(src, dst)`` returns the links a transfer crosses, in order;
+its hop count is the length of that list and its latency the sum of the links'.
+
+- **torus** (TPU ICI): dims ``x, y, z``; a link to each neighbour along each dim,
+  and wraparound links where the slice has them. Routing is dimension-order
+  (x, then y, then z), shortest way round a wrapped dim (ties go the + way).
+- **gpu** (NVSwitch + InfiniBand): dims ``node, gpu``. Inside a node:
+  GPU→NVSwitch→GPU (``nvlink_bw_bytes_per_s`` per GPU, each way). Across nodes:
+  GPU's NIC→leaf→(spine→leaf)→NIC, one NIC per GPU. ``fat_tree`` puts
+  ``nodes_per_leaf`` whole nodes under a leaf; ``rail_optimized`` puts NIC *r*
+  of the ``nodes_per_su`` nodes of a scalable unit under leaf *r* of that unit.
+  Leaf↔spine links carry the leaf's full downlink bandwidth (non-blocking).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from partir_emu.errors import PlacementError
+from partir_emu.hwmodels.specs import GpuClusterSpec, HardwareSpec, TorusSpec
+
+Node = int | str
+TORUS_DIM_NAMES = ("x", "y", "z")
+GPU_DIM_NAMES = ("node", "gpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One direction of a physical link. ``id`` is its index in ``Topology.links``."""
+
+    id: int
+    src: Node
+    dst: Node
+    bw_bytes_per_s: float
+    latency_s: float
+    kind: str            # "ici" | "nvlink" | "ib"
+    label: str = ""
+
+    def __str__(self) -> str:
+        return self.label or f"link{self.id} {self.src}->{self.dst}"
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """An immutable link graph. Build with :meth:`torus`, :meth:`gpu_cluster` or :func:`topology_for`."""
+
+    kind: str                               # "torus" | "gpu"
+    dims: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    wrap: tuple[bool, ...]
+    links: tuple[Link, ...]
+    name: str = ""
+    _by_ends: dict = field(default_factory=dict, repr=False)
+    _routes: dict = field(default_factory=dict, repr=False)
+    _extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_ends.update({(lk.src, lk.dst): lk for lk in self.links})
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def torus(cls, dims: tuple[int, ...], wrap: tuple[bool, ...] | None = None, *, link_bw_bytes_per_s: float,
+              link_latency_s: float, name: str = "") -> Topology:
+        """A 1–3D torus/mesh of chips; ``wrap[d]`` says whether dim d has wraparound links."""
+        dims = tuple(int(d) for d in dims)
+        if not 1 <= len(dims) <= 3 or min(dims) < 1:
+            raise PlacementError(f"torus dims {dims} must be 1 to 3 positive sizes")
+        wrap = tuple(bool(w) for w in (wrap if wrap is not None else (True,) * len(dims)))
+        if len(wrap) != len(dims):
+            raise PlacementError(f"torus wrap flags {wrap} do not match dims {dims}")
+        wrap = tuple(w and s > 2 for w, s in zip(wrap, dims))   # on 2 chips the wrap link is the plain link
+        names = TORUS_DIM_NAMES[:len(dims)]
+        links: list[Link] = []
+        for chip, c in enumerate(itertools.product(*map(range, dims))):
+            for d, s in enumerate(dims):
+                for step, sign in ((1, "+"), (-1, "-")):
+                    n = c[d] + step
+                    if not 0 <= n < s:
+                        if not wrap[d]:
+                            continue
+                        n %= s
+                    nc = c[:d] + (n,) + c[d + 1:]
+                    other = _row_major(nc, dims)
+                    links.append(Link(len(links), chip, other, link_bw_bytes_per_s, link_latency_s, "ici",
+                                      f"ici {names[d]}{sign} {c}->{nc}"))
+        return cls("torus", dims, names, wrap, tuple(links), name)
+
+    @classmethod
+    def gpu_cluster(cls, num_gpus: int, net: GpuClusterSpec, name: str = "") -> Topology:
+        """``num_gpus`` GPUs in whole nodes of ``net.gpus_per_node`` (or one partial node)."""
+        g = net.gpus_per_node
+        if num_gpus <= g:
+            nodes, per = 1, num_gpus
+        elif num_gpus % g:
+            raise PlacementError(f"{num_gpus} GPUs do not fill whole {name or 'GPU'} nodes of {g}; "
+                                 f"use a multiple of {g} devices")
+        else:
+            nodes, per = num_gpus // g, g
+        if nodes > net.max_nodes:
+            raise PlacementError(f"{num_gpus} GPUs need {nodes} nodes but {name or 'the spec'} allows at most "
+                                 f"{net.max_nodes} (topology.max_nodes)")
+        links: list[Link] = []
+
+        def add(src: Node, dst: Node, bw: float, lat: float, kind: str, label: str) -> None:
+            links.append(Link(len(links), src, dst, bw, lat, kind, label))
+
+        for chip in range(nodes * per):
+            n, i = divmod(chip, per)
+            if per > 1:
+                add(chip, f"nvswitch{n}", net.nvlink_bw_bytes_per_s, net.nvlink_latency_s, "nvlink",
+                    f"nvlink gpu{chip}->nvswitch{n}")
+                add(f"nvswitch{n}", chip, net.nvlink_bw_bytes_per_s, net.nvlink_latency_s, "nvlink",
+                    f"nvlink nvswitch{n}->gpu{chip}")
+        leaf_of: dict[int, str] = {}
+        if nodes > 1:
+            for chip in range(nodes * per):
+                n, i = divmod(chip, per)
+                leaf = (f"leaf{n // net.nodes_per_leaf}" if net.fabric == "fat_tree"
+                        else f"leaf{n // net.nodes_per_su}.{i}")
+                leaf_of[chip] = leaf
+                add(chip, leaf, net.nic_bw_bytes_per_s, net.ib_latency_s, "ib", f"ib nic{chip}->{leaf}")
+                add(leaf, chip, net.nic_bw_bytes_per_s, net.ib_latency_s, "ib", f"ib {leaf}->nic{chip}")
+            ports: dict[str, int] = {}
+            for leaf in leaf_of.values():
+                ports[leaf] = ports.get(leaf, 0) + 1
+            if len(ports) > 1:
+                for leaf, k in ports.items():
+                    add(leaf, "spine", k * net.nic_bw_bytes_per_s, net.ib_latency_s, "ib", f"ib {leaf}->spine")
+                    add("spine", leaf, k * net.nic_bw_bytes_per_s, net.ib_latency_s, "ib", f"ib spine->{leaf}")
+        topo = cls("gpu", (nodes, per), GPU_DIM_NAMES, (False, False), tuple(links), name)
+        topo._extra["leaf_of"] = leaf_of
+        return topo
+
+    # -- queries ----------------------------------------------------------------------------------
+    @property
+    def num_chips(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def key(self) -> tuple:
+        """A small hashable identity (for caches)."""
+        k = self._extra.get("key")
+        if k is None:
+            k = self._extra["key"] = (self.name, self.kind, self.dims, self.wrap, len(self.links),
+                                      tuple(sorted({(lk.kind, lk.bw_bytes_per_s, lk.latency_s) for lk in self.links})),
+                                      tuple(sorted(set(self._extra.get("leaf_of", {}).values()))))
+        return k
+
+    def coords(self, chip: int) -> tuple[int, ...]:
+        out = []
+        for s in reversed(self.dims):
+            chip, c = divmod(chip, s)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def chip_at(self, coords: tuple[int, ...]) -> int:
+        return _row_major(coords, self.dims)
+
+    def node_of(self, chip: int) -> int:
+        """The host node of a GPU (its ``node`` coordinate); 0 on a torus."""
+        return chip // self.dims[1] if self.kind == "gpu" else 0
+
+    def link(self, src: Node, dst: Node) -> Link:
+        return self._by_ends[(src, dst)]
+
+    def route(self, src: int, dst: int) -> list[Link]:
+        """The directed links a transfer from chip ``src`` to chip ``dst`` crosses, in order."""
+        return list(self.route_tuple(src, dst))
+
+    def hops(self, src: int, dst: int) -> int:
+        return len(self.route_tuple(src, dst))
+
+    def route_tuple(self, src: int, dst: int) -> tuple[Link, ...]:
+        key = (src, dst)
+        r = self._routes.get(key)
+        if r is None:
+            n = self.num_chips
+            if not (0 <= src < n and 0 <= dst < n):
+                raise PlacementError(f"chip {src if not 0 <= src < n else dst} is not in {self.describe()}")
+            r = self._routes[key] = tuple(self._torus_route(src, dst) if self.kind == "torus"
+                                          else self._gpu_route(src, dst))
+        return r
+
+    def _torus_route(self, src: int, dst: int) -> list[Link]:
+        cur = list(self.coords(src))
+        goal = self.coords(dst)
+        path = []
+        for d, s in enumerate(self.dims):
+            delta = (goal[d] - cur[d]) % s if self.wrap[d] else goal[d] - cur[d]
+            if self.wrap[d] and delta > s - delta:
+                delta -= s                  # shorter the other way round
+            step = 1 if delta > 0 else -1
+            for _ in range(abs(delta)):
+                here = self.chip_at(tuple(cur))
+                cur[d] = (cur[d] + step) % s
+                path.append(self._by_ends[(here, self.chip_at(tuple(cur)))])
+        return path
+
+    def _gpu_route(self, src: int, dst: int) -> list[Link]:
+        if src == dst:
+            return []
+        per = self.dims[1]
+        ns, nd = src // per, dst // per
+        if ns == nd:
+            return [self._by_ends[(src, f"nvswitch{ns}")], self._by_ends[(f"nvswitch{nd}", dst)]]
+        leaf_of = self._extra["leaf_of"]
+        ls, ld = leaf_of[src], leaf_of[dst]
+        path = [self._by_ends[(src, ls)]]
+        if ls != ld:
+            path += [self._by_ends[(ls, "spine")], self._by_ends[("spine", ld)]]
+        return path + [self._by_ends[(ld, dst)]]
+
+    def describe(self) -> str:
+        if self.kind == "torus":
+            shape = "x".join(f"{s}{'' if w else '(open)'}" for s, w in zip(self.dims, self.wrap))
+            return f"{self.name or 'torus'} {len(self.dims)}D torus {shape} ({self.num_chips} chips)"
+        nodes, per = self.dims
+        return f"{self.name or 'gpu'} {nodes} node(s) x {per} GPUs (NVSwitch + InfiniBand)"
+
+    __str__ = describe
+
+
+def _row_major(coords: tuple[int, ...], dims: tuple[int, ...]) -> int:
+    i = 0
+    for c, s in zip(coords, dims):
+        i = i * s + c
+    return i
+
+
+# -- building the topology a spec gives for a number of chips ------------------------------------------
+def torus_wraparound(spec: TorusSpec, dims: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which dims of a slice of shape ``dims`` have wraparound links, per the spec's rule."""
+    rule = spec.wraparound
+    if rule == "always":
+        return (True,) * len(dims)
+    if rule == "never":
+        return (False,) * len(dims)
+    if rule == "full":
+        return tuple(s == p for s, p in zip(dims, spec.pod_dims))
+    assert rule == "cube_multiple" and spec.cube is not None
+    whole_cubes = all(s % c == 0 for s, c in zip(dims, spec.cube))
+    return (whole_cubes,) * len(dims)
+
+
+def default_slice(spec: TorusSpec, num_chips: int) -> tuple[int, ...]:
+    """The most balanced slice shape of ``num_chips`` that fits the pod (dims ascending); whole cubes
+    (or full dims) are preferred when they exist, as the real slice shapes are."""
+    nd = len(spec.pod_dims)
+    best: tuple | None = None
+    for combo in _factorizations(num_chips, nd):
+        if any(s > p for s, p in zip(combo, sorted(spec.pod_dims))):
+            continue
+        dims = tuple(combo)
+        wraps = sum(torus_wraparound(spec, dims))
+        score = (max(dims), -wraps, dims)
+        if best is None or score < best[0]:
+            best = (score, dims)
+    if best is None:
+        raise PlacementError(f"{num_chips} chips do not fit a pod of {'x'.join(map(str, spec.pod_dims))}; "
+                             f"use at most {spec.max_chips} devices, in a shape that fits the pod")
+    return best[1]
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    if k == 1:
+        return [(n,)]
+    out = []
+    for a in range(1, n + 1):
+        if n % a == 0:
+            out += [(a,) + rest for rest in _factorizations(n // a, k - 1) if rest[0] >= a]
+    return out
+
+
+def topology_for(spec: HardwareSpec, num_chips: int, dims: tuple[int, ...] | None = None,
+                 wrap: tuple[bool, ...] | None = None) -> Topology:
+    """The topology of ``num_chips`` chips of ``spec``: a torus slice (``dims`` or :func:`default_slice`,
+    wraparound per the spec's rule unless ``wrap`` says otherwise) or whole GPU nodes."""
+    net = spec.network
+    if isinstance(net, GpuClusterSpec):
+        if dims is not None and math.prod(dims) != num_chips:
+            raise PlacementError(f"GPU dims {dims} hold {math.prod(dims)} GPUs, not {num_chips}")
+        return Topology.gpu_cluster(num_chips, net, spec.name)
+    if dims is None:
+        dims = default_slice(net, num_chips)
+    dims = tuple(dims)
+    if len(dims) != len(net.pod_dims):
+        raise PlacementError(f"slice {dims} of {spec.name} needs {len(net.pod_dims)} dims "
+                             f"(pod {'x'.join(map(str, net.pod_dims))})")
+    if math.prod(dims) != num_chips:
+        raise PlacementError(f"slice {'x'.join(map(str, dims))} has {math.prod(dims)} chips, not {num_chips}; "
+                             f"choose dims whose product is the mesh size")
+    if any(s > p for s, p in zip(dims, net.pod_dims)):
+        raise PlacementError(f"slice {'x'.join(map(str, dims))} does not fit the {spec.name} pod "
+                             f"{'x'.join(map(str, net.pod_dims))}")
+    return Topology.torus(dims, wrap if wrap is not None else torus_wraparound(net, dims),
+                          link_bw_bytes_per_s=net.link_bw_bytes_per_s, link_latency_s=net.link_latency_s,
+                          name=spec.name)

@@ -1,0 +1,123 @@
+"""The numpy interpreter: one implementation rule per primitive, and ``eval_program``.
+
+``impl_rules[prim](*operands, **params)`` computes one equation with
+``jax.lax`` semantics; the families live in ``impl_elementwise``,
+``impl_shape``, ``impl_reduce`` (reductions, scans, dot_general) and
+``impl_gather``. :func:`eval_eqn` wraps a rule: it feeds literals, casts every
+result to the dtype of the equation's output ``Var`` (numpy promotes where jax
+does not) and checks the shape. :func:`eval_program` is the autodidax
+``eval_jaxpr``: an env, ``read``/``write``, one loop.
+
+Literals: when an equation also has array operands, a literal is passed as a
+plain Python scalar so that numpy treats it as *weak* (NEP 50) and it takes the
+array's dtype, as jax's weakly-typed literals do (the traced literal dtype may
+say int64/float64 where jax meant the other operand's type). When every operand
+is a literal, they are 0-d arrays of their recorded dtype.
+
+This module never imports jax.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from partir_emu.compiler.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.compiler.spmd import COLLECTIVE_PRIMS
+from partir_emu.errors import ArgumentError, EmulationError, UnsupportedPrimitiveError
+from partir_emu.runtime import impl_elementwise, impl_gather, impl_reduce, impl_shape
+from partir_emu.runtime.dtypes import np_dtype
+
+impl_rules: dict[str, Callable[..., Any]] = {
+    **impl_elementwise.rules,
+    **impl_shape.rules,
+    **impl_reduce.rules,
+    **impl_gather.rules,
+}
+
+
+def literal_value(lit: Literal, weak: bool) -> Any:
+    """A literal operand: weak Python scalar, or 0-d array of its recorded dtype."""
+    dt = np_dtype(lit.dtype)
+    if not weak:
+        return np.asarray(lit.value, dtype=dt)
+    if dt == np.bool_:
+        return bool(lit.value)
+    return int(lit.value) if dt.kind in "iu" else float(lit.value)
+
+
+def eval_eqn(eqn: Eqn, operands: Sequence[Any]) -> list[np.ndarray]:
+    """Run one equation on already-read operands (Literals still as ``Literal``)."""
+    rule = impl_rules.get(eqn.prim)
+    if rule is None and eqn.prim in COLLECTIVE_PRIMS:
+        raise EmulationError(f"collective {eqn} cannot run on one device; run the SpmdProgram on a mesh "
+                             f"(partir_emu.runtime.local_mesh.LocalMesh)")
+    if rule is None:
+        where = f" (traced at {eqn.source})" if eqn.source else ""
+        raise UnsupportedPrimitiveError(
+            f"primitive {eqn.prim!r}{where} has no numpy implementation in partir_emu.runtime.interpreter.impl_rules; "
+            f"add a rule for it or rewrite the function with supported operations")
+    weak = any(not isinstance(a, Literal) for a in eqn.inputs)
+    args = [literal_value(v, weak) if isinstance(v, Literal) else v for v in operands]
+    with np.errstate(all="ignore"):  # jax produces inf/nan silently
+        result = rule(*args, **eqn.params)
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(results) != len(eqn.outputs):
+        raise EmulationError(f"{eqn.prim} at {eqn.source or '?'} produced {len(results)} values, "
+                             f"expected {len(eqn.outputs)}: {eqn}")
+    return [coerce_result(r, o, eqn) for r, o in zip(results, eqn.outputs)]
+
+
+def coerce_result(x: Any, out: Var, eqn: Eqn) -> np.ndarray:
+    """``x`` as an array of ``out``'s dtype; its shape must already be ``out``'s."""
+    arr = np.asarray(x)
+    dt = np_dtype(out.dtype)
+    if arr.dtype != dt:
+        arr = arr.astype(dt)
+    if arr.shape != out.shape:
+        raise EmulationError(f"{eqn.prim} at {eqn.source or '?'} produced shape {arr.shape} for {out} which is "
+                             f"declared {out.type_str()}; the program is inconsistent: {eqn}")
+    return arr
+
+
+def check_inputs(program: Program, inputs: Sequence[Any], what: str = "program") -> list[np.ndarray]:
+    """Check count, shapes and dtypes of ``inputs`` against ``program.inputs``."""
+    if len(inputs) != len(program.inputs):
+        raise ArgumentError(f"{what} takes {len(program.inputs)} inputs {list(program.input_names)}, "
+                            f"got {len(inputs)}")
+    out = []
+    for v, name, x in zip(program.inputs, program.input_names, inputs):
+        arr = np.asarray(x)
+        if arr.shape != v.shape or arr.dtype != np_dtype(v.dtype):
+            raise ArgumentError(f"{what} input {name!r}: expected {v.dtype}{list(v.shape)}, "
+                                f"got {arr.dtype.name}{list(arr.shape)}")
+        out.append(arr)
+    return out
+
+
+def eval_program(program: Program, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Evaluate a single-device program (no collectives) on numpy inputs."""
+    env: dict[Var, np.ndarray] = {}
+
+    def read(a: Atom) -> Any:
+        return a if isinstance(a, Literal) else env[a]
+
+    def write(v: Var, x: np.ndarray) -> None:
+        env[v] = x
+
+    for v, x in zip(program.inputs, check_inputs(program, inputs)):
+        write(v, x)
+    for v, c in program.consts:
+        write(v, np.asarray(c))
+    for eqn in program.eqns:
+        for v, x in zip(eqn.outputs, eval_eqn(eqn, [read(a) for a in eqn.inputs])):
+            write(v, x)
+    return [output_value(read(o)) for o in program.outputs]
+
+
+def output_value(x: Any) -> np.ndarray:
+    """A program result as an owned, writable array (rules may return read-only views)."""
+    if isinstance(x, Literal):
+        return np.asarray(x.value, dtype=np_dtype(x.dtype))
+    return x if (x.flags.writeable and x.flags.owndata) else np.array(x)

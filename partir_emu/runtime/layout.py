@@ -1,0 +1,84 @@
+"""Global arrays ↔ per-device blocks, as a :class:`Sharding` lays them out.
+
+A dim tiled by axes ``(a, b)`` is cut into ``size(a)*size(b)`` equal blocks and
+a device holds block ``mesh.group_index(device, (a, b))`` = ``coord_a*size(b)+coord_b``
+(major→minor). Axes a sharding does not mention replicate the value. A
+*partial* axis means the value is a pending sum over it: :func:`shard` puts the
+value on group member 0 of the partial axes and zeros on the others (the
+``to_partial`` convention) and :func:`unshard` sums over them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from partir_emu.compiler.mesh import Mesh
+from partir_emu.compiler.sharding import Sharding
+from partir_emu.errors import EmulationError, ShardingError
+
+
+def block_slices(sharding: Sharding, mesh: Mesh, device: int, local_shape: Sequence[int]) -> tuple[slice, ...]:
+    """Where the device's block sits in the global array."""
+    out = []
+    for axes, n in zip(sharding.dims, local_shape):
+        i = mesh.group_index(device, axes) if axes else 0
+        out.append(slice(i * n, (i + 1) * n))
+    return tuple(out)
+
+
+def shard(global_array: np.ndarray, sharding: Sharding, mesh: Mesh, device: int, name: str = "value") -> np.ndarray:
+    """The block of ``global_array`` that ``device`` holds (a contiguous copy)."""
+    x = np.asarray(global_array)
+    sharding.validate(x.shape, mesh, name)
+    local = sharding.local_shape(x.shape, mesh)
+    block = np.array(x[block_slices(sharding, mesh, device, local)], order="C", copy=True)  # keeps 0-d arrays 0-d
+    if sharding.partial and mesh.group_index(device, sharding.partial) != 0:
+        return np.zeros_like(block)
+    return block
+
+
+def unshard(locals_by_device: Sequence[np.ndarray], sharding: Sharding, mesh: Mesh,
+            name: str = "value") -> np.ndarray:
+    """Assemble the global array from every device's block (indexed by device id).
+
+    Replicated copies must be bit-equal, else :class:`EmulationError` naming ``name``.
+    Blocks over partial axes are summed in group order.
+    """
+    if len(locals_by_device) != mesh.size:
+        raise ShardingError(f"{name}: unshard needs one block per device of {mesh} ({mesh.size}), "
+                            f"got {len(locals_by_device)}")
+    blocks = [np.asarray(b) for b in locals_by_device]
+    local = blocks[0].shape
+    for d, b in enumerate(blocks):
+        if b.shape != local or b.dtype != blocks[0].dtype:
+            raise EmulationError(f"{name}: device {d} holds {b.dtype.name}{list(b.shape)} but device 0 holds "
+                                 f"{blocks[0].dtype.name}{list(local)}")
+    if len(local) != sharding.ndim:
+        raise ShardingError(f"{name}: sharding {sharding} has {sharding.ndim} dims, the blocks have {len(local)}")
+    gshape = tuple(n * mesh.group_size(axes) for n, axes in zip(local, sharding.dims))
+    used = set(sharding.axes())
+    replicated = [a for a in mesh.axis_names if a not in used]
+    # one representative per (block position, partial coordinates); the others must equal it
+    reps: dict[tuple, int] = {}
+    for d in range(mesh.size):
+        c = mesh.coords(d)
+        key = tuple(c[a] for a in mesh.axis_names if a not in replicated)
+        r = reps.setdefault(key, d)
+        if r != d and not _bit_equal(blocks[r], blocks[d]):
+            raise EmulationError(
+                f"{name}: replicated copies disagree: device {d} {c} differs from device {r} {mesh.coords(r)} "
+                f"(mesh axes {replicated} replicate it under sharding {sharding}); the SPMD program lost consistency")
+    out = np.zeros(gshape, blocks[0].dtype)
+    partial_order = (lambda d: mesh.group_index(d, sharding.partial)) if sharding.partial else None
+    for d in sorted(reps.values(), key=partial_order):
+        where = block_slices(sharding, mesh, d, local)
+        if sharding.partial:
+            out[where] += blocks[d]
+        else:
+            out[where] = blocks[d]
+    return out
+
+
+def _bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
