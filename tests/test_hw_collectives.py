@@ -174,14 +174,19 @@ def test_hierarchical_fat_tree_vs_rail_optimized():
     assert c2.time_s == pytest.approx(_hier_expect(rail.network, 8, 8, n, 2), rel=REL)
 
 
-def test_ring_across_nodes_one_gpu_per_node():
+@pytest.mark.parametrize("q, hops", [(2, 2), (4, 4)])
+def test_ring_across_nodes_one_gpu_per_node(q, hops):
+    """A100 fat tree has 2 nodes per leaf: 2 nodes talk through their leaf (2 hops); on 4 nodes the
+    slowest ring message goes leaf->spine->leaf (4 hops)."""
     spec = load_spec("a100")
     nv = spec.network
-    pl = place(Mesh(data=4, model=8), spec)
-    n = 4 * 1024 * 4
+    pl = place(Mesh(data=q, model=8), spec)
+    n = q * 1024 * 4
     c = cost(pl, "all_reduce", ("data",), n)
     assert c.algorithm == "ring"
-    assert c.time_s == pytest.approx(6 * (2 * nv.ib_latency_s + n / 4 / nv.nic_bw_bytes_per_s), rel=REL)
+    assert c.max_hops == hops
+    expect = 2 * (q - 1) * (hops * nv.ib_latency_s + n / q / nv.nic_bw_bytes_per_s)
+    assert c.time_s == pytest.approx(expect, rel=REL)
 
 
 def test_group_order_does_not_matter_for_hierarchical():

@@ -1,6 +1,7 @@
 """The numpy interpreter against jax.jit, one test per primitive family."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from partir_emu.compiler.ir import Eqn, Program, Var
 from partir_emu.compiler.trace import SUPPORTED, trace
 from partir_emu.errors import ArgumentError, UnsupportedPrimitiveError
+from partir_emu.runtime import impl_elementwise
 from partir_emu.runtime.interpreter import eval_program, impl_rules
 
 RNG = np.random.default_rng(0)
@@ -73,6 +75,13 @@ def test_erf_and_erf_inv_match_jax_to_1e6():
     y = jnp.asarray(np.linspace(-0.999, 0.999, 1001), jnp.float32)
     check(jax.scipy.special.erfinv, y, rtol=2e-5, atol=1e-6)
     check(jax.scipy.special.erfinv, jnp.asarray([-1.0, 1.0, 0.0], jnp.float32))
+
+
+def test_erf_and_erfc_float64_against_math():
+    x = np.concatenate([np.linspace(-27, 27, 20001), np.geomspace(1e-300, 1, 300), [0.0, np.inf, -np.inf]])
+    np.testing.assert_allclose(impl_elementwise.erf64(x), [math.erf(v) for v in x], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(impl_elementwise.erfc64(x), [math.erfc(v) for v in x], rtol=1e-13, atol=1e-300)
+    assert np.isnan(impl_elementwise.erf64(np.array([np.nan]))).all()
 
 
 def test_binary_and_comparisons():

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from partir_emu.collectives.patterns import (
     RawStep,
+    Run,
     doubling_all_gather,
     halving_reduce_scatter,
     merge,
@@ -148,133 +149,145 @@ def _split(n: int, k: int) -> list[int]:
     return [q + 1] * r + [q] * (k - r)
 
 
+def _layout(kind: str, algorithm: str, p: int, dpn: int | None) -> tuple[int, list[int]]:
+    """``(m, layout)``: pieces per block and the chunk id of each piece, numbered so that
+    what the algorithm moves together is a run of consecutive ids."""
+    if kind in ("all_to_all", "collective_permute"):
+        n = p * p if kind == "all_to_all" else p
+        return 1, list(range(n))
+    if algorithm in ("bidir_ring", "torus"):  # piece (b, h) -> h*p + b: each direction's half is a run
+        return 2, [h * p + b for b in range(p) for h in range(2)]
+    if algorithm == "hierarchical":  # block b -> (local index)*q + node: a node-local segment is a run
+        q = p // dpn
+        return 1, [(b % dpn) * q + b // dpn for b in range(p)]
+    return 1, list(range(p))
+
+
 @functools.lru_cache(maxsize=512)
 def _build(kind: str, shape: tuple[int, ...], n: int, algorithm: str, itemsize: int, dpn: int | None,
            perm: tuple[tuple[int, int], ...] | None) -> CollectiveSchedule:
     p = math.prod(shape)
-    m = 2 if algorithm in ("bidir_ring", "torus") and kind not in ("all_to_all", "collective_permute") else 1
+    m, layout = _layout(kind, algorithm, p, dpn)
     if kind == "collective_permute":
-        elems = [n] * p
+        piece_elems = [n] * p
     elif kind == "all_to_all":
-        elems = [n // p] * (p * p)
+        piece_elems = [n // p] * (p * p)
     else:
-        elems = [e for b in _split(n, p) for e in _split(b, m)]
-    raw = _RAW[kind](algorithm, shape, m, dpn, perm)
-    chunk_bytes = tuple(e * itemsize for e in elems)
+        piece_elems = [e for b in _split(n, p) for e in _split(b, m)]
+    chunk_bytes = [0] * len(layout)
+    for k, c in enumerate(layout):
+        chunk_bytes[c] = piece_elems[k] * itemsize
+    prefix = list(itertools.accumulate(chunk_bytes, initial=0))
     steps = []
-    for rs in raw:
-        ts = tuple(Transfer(s, d, chunk_bytes[c], c, r) for s, d, c, r in rs if chunk_bytes[c])
+    for raw in _RAW[kind](algorithm, shape, dpn, perm):
+        ts: list[Transfer] = []
+        for s, d, a, k, r in raw:
+            nb = prefix[a + k] - prefix[a]
+            if not nb:
+                continue
+            last = ts[-1] if ts else None
+            if last and (last.src, last.dst, last.reduce, last.chunk + last.count) == (s, d, r, a):
+                ts[-1] = Transfer(s, d, last.nbytes + nb, last.chunk, r, last.count + k)
+            else:
+                ts.append(Transfer(s, d, nb, a, r, k))
         if ts:
-            steps.append(Step(ts))
+            steps.append(Step(tuple(ts)))
     return CollectiveSchedule(kind=kind, algorithm=algorithm, group_shape=shape, nbytes=n * itemsize,
-                              num_chunks=len(elems), steps=tuple(steps), chunk_bytes=chunk_bytes,
-                              itemsize=itemsize, permutation=perm)
+                              num_chunks=len(layout), steps=tuple(steps), chunk_bytes=tuple(chunk_bytes),
+                              itemsize=itemsize, permutation=perm,
+                              layout=() if layout == sorted(layout) else tuple(layout))
 
 
-def _blocks(p: int, m: int) -> list[list[int]]:
-    return [[b * m + h for h in range(m)] for b in range(p)]
-
-
-def _halves(segs: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
-    """Split segments of 2-chunk blocks into the forward half and the backward half."""
-    return [[c for c in s if c % 2 == 0] for s in segs], [[c for c in s if c % 2 == 1] for s in segs]
-
-
-def _line_rs(members: Sequence[int], segs: list[list[int]], algorithm: str) -> list[RawStep]:
-    if algorithm in ("bidir_ring", "torus"):
-        fwd, bwd = _halves(segs)
-        return merge(ring_reduce_scatter(members, fwd), ring_reduce_scatter(members, bwd, reverse=True))
+def _line_rs(members: Sequence[int], segs: list[list[Run]], algorithm: str,
+             back: list[list[Run]] | None = None) -> list[RawStep]:
+    if back is not None:
+        return merge(ring_reduce_scatter(members, segs), ring_reduce_scatter(members, back, reverse=True))
     if algorithm == "recursive":
         return halving_reduce_scatter(members, segs)
     return ring_reduce_scatter(members, segs)
 
 
-def _line_ag(members: Sequence[int], segs: list[list[int]], algorithm: str) -> list[RawStep]:
-    if algorithm in ("bidir_ring", "torus"):
-        fwd, bwd = _halves(segs)
-        return merge(ring_all_gather(members, fwd), ring_all_gather(members, bwd, reverse=True))
+def _line_ag(members: Sequence[int], segs: list[list[Run]], algorithm: str,
+             back: list[list[Run]] | None = None) -> list[RawStep]:
+    if back is not None:
+        return merge(ring_all_gather(members, segs), ring_all_gather(members, back, reverse=True))
     if algorithm == "recursive":
         return doubling_all_gather(members, segs)
     return ring_all_gather(members, segs)
 
 
+def _flat(algorithm: str, p: int, gather: bool) -> list[RawStep]:
+    """ring / bidir_ring / recursive over positions 0..p-1."""
+    segs = [[(b, 1)] for b in range(p)]
+    back = [[(p + b, 1)] for b in range(p)] if algorithm == "bidir_ring" else None
+    return (_line_ag if gather else _line_rs)(range(p), segs, algorithm, back)
+
+
 # ------------------------------------------------------------------- torus
-def _torus_phase(shape: tuple[int, ...], t: int, m: int, gather: bool) -> list[RawStep]:
-    """All lines along dim ``t`` at once; member ``v`` of a line owns the blocks whose
-    coords agree with it on dims ``< t`` and equal ``v`` on dim ``t``."""
+def _torus_phase(shape: tuple[int, ...], t: int, gather: bool) -> list[RawStep]:
+    """All lines along dim ``t`` at once, each a bidirectional ring. Member ``v`` of a line
+    owns the blocks whose coords agree with it on dims ``< t`` and equal ``v`` on dim ``t``:
+    a run of ``prod(shape[t+1:])`` blocks in each half."""
+    p = math.prod(shape)
+    size = math.prod(shape[t + 1:])
     coords = list(itertools.product(*(range(d) for d in shape)))
     index = {c: i for i, c in enumerate(coords)}
-    owned: dict[tuple[int, ...], list[int]] = {}  # coords[:t+1] -> chunks, in block order
-    for b, bc in enumerate(coords):
-        owned.setdefault(bc[:t + 1], []).extend(b * m + h for h in range(m))
     lines = []
     for base in coords:
         if base[t] != 0:
             continue
         members = [index[base[:t] + (v,) + base[t + 1:]] for v in range(shape[t])]
-        segs = [owned[base[:t] + (v,)] for v in range(shape[t])]
-        lines.append((_line_ag if gather else _line_rs)(members, segs, "torus"))
+        los = [index[base[:t] + (v,) + (0,) * (len(shape) - t - 1)] for v in range(shape[t])]
+        segs, back = [[(lo, size)] for lo in los], [[(p + lo, size)] for lo in los]
+        lines.append((_line_ag if gather else _line_rs)(members, segs, "torus", back))
     return merge(*lines)
 
 
-def _torus_rs(shape: tuple[int, ...], m: int) -> list[RawStep]:
-    return [s for t in range(len(shape)) if shape[t] > 1 for s in _torus_phase(shape, t, m, False)]
-
-
-def _torus_ag(shape: tuple[int, ...], m: int) -> list[RawStep]:
-    return [s for t in reversed(range(len(shape))) if shape[t] > 1 for s in _torus_phase(shape, t, m, True)]
+def _torus(shape: tuple[int, ...], gather: bool) -> list[RawStep]:
+    dims = [t for t in range(len(shape)) if shape[t] > 1]
+    return [s for t in (reversed(dims) if gather else dims) for s in _torus_phase(shape, t, gather)]
 
 
 # ------------------------------------------------------------ hierarchical
-def _hier_rs(p: int, d: int) -> list[RawStep]:
+def _hier(p: int, d: int, gather: bool) -> list[RawStep]:
+    """Node-local ring over segments (one run of q blocks per local index), then a ring
+    across nodes among equal local indices; all-gather runs the two phases the other way."""
     q = p // d
-    intra = merge(*(ring_reduce_scatter([nd * d + l for l in range(d)], [[n2 * d + l for n2 in range(q)]
-                                                                          for l in range(d)])
+    pattern = ring_all_gather if gather else ring_reduce_scatter
+    intra = merge(*(pattern([nd * d + lo for lo in range(d)], [[(lo * q, q)] for lo in range(d)])
                     for nd in range(q)))
-    inter = merge(*(ring_reduce_scatter([nd * d + l for nd in range(q)], [[nd * d + l] for nd in range(q)])
-                    for l in range(d)))
-    return intra + inter
-
-
-def _hier_ag(p: int, d: int) -> list[RawStep]:
-    q = p // d
-    inter = merge(*(ring_all_gather([nd * d + l for nd in range(q)], [[nd * d + l] for nd in range(q)])
-                    for l in range(d)))
-    intra = merge(*(ring_all_gather([nd * d + l for l in range(d)], [[n2 * d + l for n2 in range(q)]
-                                                                      for l in range(d)])
-                    for nd in range(q)))
-    return inter + intra
+    inter = merge(*(pattern([nd * d + lo for nd in range(q)], [[(lo * q + nd, 1)] for nd in range(q)])
+                    for lo in range(d)))
+    return inter + intra if gather else intra + inter
 
 
 # ------------------------------------------------------------- per kind
-def _raw_all_gather(algorithm, shape, m, dpn, perm) -> list[RawStep]:
-    p = math.prod(shape)
+def _raw_all_gather(algorithm, shape, dpn, perm) -> list[RawStep]:
     if algorithm == "torus":
-        return _torus_ag(shape, m)
+        return _torus(shape, True)
     if algorithm == "hierarchical":
-        return _hier_ag(p, dpn)
-    return _line_ag(range(p), _blocks(p, m), algorithm)
+        return _hier(math.prod(shape), dpn, True)
+    return _flat(algorithm, math.prod(shape), True)
 
 
-def _raw_reduce_scatter(algorithm, shape, m, dpn, perm) -> list[RawStep]:
-    p = math.prod(shape)
+def _raw_reduce_scatter(algorithm, shape, dpn, perm) -> list[RawStep]:
     if algorithm == "torus":
-        return _torus_rs(shape, m)
+        return _torus(shape, False)
     if algorithm == "hierarchical":
-        return _hier_rs(p, dpn)
-    return _line_rs(range(p), _blocks(p, m), algorithm)
+        return _hier(math.prod(shape), dpn, False)
+    return _flat(algorithm, math.prod(shape), False)
 
 
-def _raw_all_reduce(algorithm, shape, m, dpn, perm) -> list[RawStep]:
-    return _raw_reduce_scatter(algorithm, shape, m, dpn, perm) + _raw_all_gather(algorithm, shape, m, dpn, perm)
+def _raw_all_reduce(algorithm, shape, dpn, perm) -> list[RawStep]:
+    return _raw_reduce_scatter(algorithm, shape, dpn, perm) + _raw_all_gather(algorithm, shape, dpn, perm)
 
 
-def _raw_all_to_all(algorithm, shape, m, dpn, perm) -> list[RawStep]:
+def _raw_all_to_all(algorithm, shape, dpn, perm) -> list[RawStep]:
     p = math.prod(shape)
     if algorithm == "direct":
-        return [[(i, j, i * p + j, False) for i in range(p) for j in range(p) if i != j]]
+        return [[(i, j, i * p + j, 1, False) for i in range(p) for j in range(p) if i != j]]
     if algorithm == "pairwise":
-        return pairwise_exchange(range(p), lambda k, j: (k * p + j,))
+        return pairwise_exchange(range(p), lambda k, j: ((k * p + j, 1),))
     # torus: route every chunk dim by dim; in phase t it moves along dim t to its destination's coordinate
     coords = list(itertools.product(*(range(d) for d in shape)))
     index = {c: i for i, c in enumerate(coords)}
@@ -283,24 +296,24 @@ def _raw_all_to_all(algorithm, shape, m, dpn, perm) -> list[RawStep]:
     for t in range(len(shape)):
         if shape[t] == 1:
             continue
-        by_member: dict[int, dict[int, list[int]]] = {}
+        by_member: dict[int, dict[int, list[Run]]] = {}
         for c, h in enumerate(holder):
             dest_v = coords[c % p][t]
             if coords[h][t] != dest_v:
-                by_member.setdefault(h, {}).setdefault(dest_v, []).append(c)
+                by_member.setdefault(h, {}).setdefault(dest_v, []).append((c, 1))
         lines = []
         for base in coords:
             if base[t] == 0:
                 members = [index[base[:t] + (v,) + base[t + 1:]] for v in range(shape[t])]
-                lines.append(pairwise_exchange(members, lambda k, j, ms=members: by_member.get(ms[k], {}).get(j, ())))
+                lines.append(pairwise_exchange(members, lambda k, j, ms=members, bm=by_member: bm.get(ms[k], {}).get(j, ())))
         steps += merge(*lines)
         for c, h in enumerate(holder):
             holder[c] = index[coords[h][:t] + (coords[c % p][t],) + coords[h][t + 1:]]
     return steps
 
 
-def _raw_collective_permute(algorithm, shape, m, dpn, perm) -> list[RawStep]:
-    return [[(s, d, s, False) for s, d in perm if s != d]]
+def _raw_collective_permute(algorithm, shape, dpn, perm) -> list[RawStep]:
+    return [[(s, d, s, 1, False) for s, d in perm if s != d]]
 
 
 _RAW = {

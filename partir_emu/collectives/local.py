@@ -57,12 +57,21 @@ def initial_state(sched: CollectiveSchedule, pos: int, buf: np.ndarray) -> State
     return state
 
 
-def apply_transfer(state: State, t: Transfer, payload: np.ndarray, fn: np.ufunc) -> None:
-    """Apply one received chunk to the destination's state (out of place)."""
-    if t.reduce:
-        state[t.chunk] = fn(state[t.chunk], payload)
+def run_chunks(sched: CollectiveSchedule, t: Transfer) -> list[int]:
+    """The non-empty chunks a transfer carries, in order."""
+    cb = sched.chunk_bytes
+    return [c for c in t.chunks if cb[c]]
+
+
+def apply_transfer(state: State, chunks: Sequence[int], payload: Sequence[np.ndarray], reduce: bool,
+                   fn: np.ufunc) -> None:
+    """Apply the received values of ``chunks`` to the destination's state (out of place)."""
+    if reduce:
+        for c, v in zip(chunks, payload):
+            state[c] = fn(state[c], v)
     else:
-        state[t.chunk] = payload
+        for c, v in zip(chunks, payload):
+            state[c] = v
 
 
 def assemble_output(sched: CollectiveSchedule, pos: int, state: State, dtype: np.dtype) -> np.ndarray:
@@ -93,13 +102,14 @@ def run_schedule(schedule: CollectiveSchedule, buffers: Sequence[np.ndarray], op
     bufs = [check_buffer(schedule, i, b, dtype) for i, b in enumerate(buffers)]
     state = [initial_state(schedule, i, b) for i, b in enumerate(bufs)]
     for si, step in enumerate(schedule.steps):
+        runs = [run_chunks(schedule, t) for t in step.transfers]
         try:
-            payloads = [state[t.src][t.chunk] for t in step.transfers]
+            payloads = [[state[t.src][c] for c in cs] for t, cs in zip(step.transfers, runs)]
         except (KeyError, IndexError):
             raise CollectiveError(f"{schedule.describe()}: step {si} sends a chunk its source does not hold; "
                                   "check the schedule with validate_schedule") from None
-        for t, v in zip(step.transfers, payloads):
-            apply_transfer(state[t.dst], t, v, fn)
+        for t, cs, v in zip(step.transfers, runs, payloads):
+            apply_transfer(state[t.dst], cs, v, t.reduce, fn)
     return [assemble_output(schedule, i, s, dtype) for i, s in enumerate(state)]
 
 

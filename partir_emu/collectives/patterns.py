@@ -1,17 +1,18 @@
 """Communication patterns on one line of members, the bricks of every algorithm.
 
 A pattern returns *raw steps*: a list of steps, each a list of
-``(src, dst, chunk, reduce)`` tuples over group positions. ``segs[k]`` is the
-list of chunk ids that member ``members[k]`` owns (all_gather) or ends up
-responsible for (reduce_scatter). Independent patterns run concurrently when
-their steps are zipped by :func:`merge`, and one after the other when their
-step lists are concatenated.
+``(src, dst, first_chunk, count, reduce)`` tuples over group positions.
+``segs[k]`` is a list of chunk runs ``(first, count)`` that member
+``members[k]`` owns (all-gather) or ends up responsible for (reduce-scatter).
+Independent patterns run concurrently when their steps are zipped by
+:func:`merge`, and one after the other when their step lists are concatenated.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-RawStep = list[tuple[int, int, int, bool]]
+Run = tuple[int, int]
+RawStep = list[tuple[int, int, int, int, bool]]
 
 
 def merge(*step_lists: list[RawStep]) -> list[RawStep]:
@@ -20,55 +21,84 @@ def merge(*step_lists: list[RawStep]) -> list[RawStep]:
     return [[t for sl in step_lists if s < len(sl) for t in sl[s]] for s in range(n)]
 
 
-def ring_reduce_scatter(members: Sequence[int], segs: Sequence[Sequence[int]], reverse: bool = False) -> list[RawStep]:
+def span(segs: Sequence[Sequence[Run]], lo: int, hi: int) -> list[Run]:
+    """The runs of ``segs[lo:hi]``, adjacent runs joined."""
+    out: list[Run] = []
+    for seg in segs[lo:hi]:
+        for a, k in seg:
+            if out and out[-1][0] + out[-1][1] == a:
+                out[-1] = (out[-1][0], out[-1][1] + k)
+            else:
+                out.append((a, k))
+    return out
+
+
+def _spanner(segs: Sequence[Sequence[Run]]) -> Callable[[int, int], list[Run]]:
+    """``span`` over ``segs``, in O(1) when the segments are equal consecutive runs."""
+    first = segs[0][0] if segs and len(segs[0]) == 1 else None
+    if first and all(len(s) == 1 and s[0] == (first[0] + j * first[1], first[1]) for j, s in enumerate(segs)):
+        a0, size = first
+        return lambda lo, hi: [(a0 + lo * size, (hi - lo) * size)]
+    return lambda lo, hi: span(segs, lo, hi)
+
+
+def ring_reduce_scatter(members: Sequence[int], segs: Sequence[Sequence[Run]], reverse: bool = False) -> list[RawStep]:
     """Ring reduce-scatter: ``p-1`` steps; at step ``s`` member ``k`` adds segment ``k-s-1`` into ``k+1``."""
     p, d = len(members), (-1 if reverse else 1)
-    return [[(members[k], members[(k + d) % p], c, True)
-             for k in range(p) for c in segs[(k - d * (s + 1)) % p]] for s in range(p - 1)]
+    return [[(members[k], members[(k + d) % p], a, n, True)
+             for k in range(p) for a, n in segs[(k - d * (s + 1)) % p]] for s in range(p - 1)]
 
 
-def ring_all_gather(members: Sequence[int], segs: Sequence[Sequence[int]], reverse: bool = False) -> list[RawStep]:
+def ring_all_gather(members: Sequence[int], segs: Sequence[Sequence[Run]], reverse: bool = False) -> list[RawStep]:
     """Ring all-gather: ``p-1`` steps; at step ``s`` member ``k`` forwards segment ``k-s`` to ``k+1``."""
     p, d = len(members), (-1 if reverse else 1)
-    return [[(members[k], members[(k + d) % p], c, False)
-             for k in range(p) for c in segs[(k - d * s) % p]] for s in range(p - 1)]
+    return [[(members[k], members[(k + d) % p], a, n, False)
+             for k in range(p) for a, n in segs[(k - d * s) % p]] for s in range(p - 1)]
 
 
-def halving_reduce_scatter(members: Sequence[int], segs: Sequence[Sequence[int]]) -> list[RawStep]:
+def halving_reduce_scatter(members: Sequence[int], segs: Sequence[Sequence[Run]]) -> list[RawStep]:
     """Recursive halving (power-of-two ``p``): ``log2 p`` steps at distances ``p/2, ..., 1``.
 
     At distance ``d`` member ``k`` sends its partner ``k ^ d`` the half of its
-    current range that the partner keeps, so after the last step ``k`` holds
-    segment ``k`` reduced over everyone.
+    current range of segments that the partner keeps (segments ``lo .. lo+d-1``
+    with ``lo = (k ^ d) & ~(d-1)``), so after the last step ``k`` holds segment
+    ``k`` reduced over everyone.
     """
-    p = len(members)
+    p, sp = len(members), _spanner(segs)
     steps, mask = [], p // 2
     while mask:
-        hi = ~(2 * mask - 1)
-        steps.append([(members[k], members[k ^ mask], c, True)
-                      for k in range(p) for j in range(p)
-                      if (j & hi) == (k & hi) and (j & mask) != (k & mask) for c in segs[j]])
+        step = []
+        for k in range(p):
+            lo = (k ^ mask) & ~(mask - 1)
+            step += [(members[k], members[k ^ mask], a, n, True) for a, n in sp(lo, lo + mask)]
+        steps.append(step)
         mask //= 2
     return steps
 
 
-def doubling_all_gather(members: Sequence[int], segs: Sequence[Sequence[int]]) -> list[RawStep]:
-    """Recursive doubling (power-of-two ``p``): ``log2 p`` steps at distances ``1, 2, ..., p/2``."""
-    p = len(members)
+def doubling_all_gather(members: Sequence[int], segs: Sequence[Sequence[Run]]) -> list[RawStep]:
+    """Recursive doubling (power-of-two ``p``): ``log2 p`` steps at distances ``1, 2, ..., p/2``.
+
+    Before distance ``d`` member ``k`` holds segments ``lo .. lo+d-1`` with
+    ``lo = k & ~(d-1)`` and sends them all to ``k ^ d``.
+    """
+    p, sp = len(members), _spanner(segs)
     steps, mask = [], 1
     while mask < p:
-        low = ~(mask - 1)
-        steps.append([(members[k], members[k ^ mask], c, False)
-                      for k in range(p) for j in range(p) if (j & low) == (k & low) for c in segs[j]])
+        step = []
+        for k in range(p):
+            lo = k & ~(mask - 1)
+            step += [(members[k], members[k ^ mask], a, n, False) for a, n in sp(lo, lo + mask)]
+        steps.append(step)
         mask *= 2
     return steps
 
 
-def pairwise_exchange(members: Sequence[int], held: Callable[[int, int], Sequence[int]]) -> list[RawStep]:
+def pairwise_exchange(members: Sequence[int], held: Callable[[int, int], Sequence[Run]]) -> list[RawStep]:
     """Pairwise exchange: ``p-1`` steps; at step ``s`` member ``k`` sends ``held(k, k+s)`` to ``k+s``.
 
-    ``held(k, j)`` lists the chunks member ``members[k]`` must hand to ``members[j]``.
+    ``held(k, j)`` lists the chunk runs member ``members[k]`` must hand to ``members[j]``.
     """
     p = len(members)
-    return [[(members[k], members[(k + s) % p], c, False) for k in range(p) for c in held(k, (k + s) % p)]
+    return [[(members[k], members[(k + s) % p], a, n, False) for k in range(p) for a, n in held(k, (k + s) % p)]
             for s in range(1, p)]

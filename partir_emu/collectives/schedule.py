@@ -6,23 +6,29 @@ local executor (:mod:`partir_emu.collectives.local`) and the MPI executor
 analytical model prices it and the DES replays it.
 
 **Chunks.** The data a collective moves is cut into ``num_chunks`` chunks of
-``chunk_bytes[c]`` bytes. Every transfer carries exactly one chunk. Which
-chunks a member starts with and which it must end with depend on ``kind``
-(``p`` members, ``m = num_chunks // p`` sub-chunks per block, except for
+``chunk_bytes[c]`` bytes. A transfer carries the run of chunks ``chunk ..
+chunk + count - 1`` (``count`` is 1 unless an algorithm moves a whole
+contiguous range at once, as torus and hierarchical phases do).
+
+The logical buffer is cut into ``num_chunks`` *pieces* in buffer order;
+``layout[k]`` is the chunk id of piece ``k`` (identity when ``layout`` is
+empty). Algorithms number chunks so that what they move together is a run of
+ids. Which pieces a member starts with and which it must end with depend on
+``kind`` (``p`` members, ``m = num_chunks // p`` pieces per block, except for
 all_to_all where ``m = num_chunks // p**2``):
 
 =====================  ===================================  ===================================
 kind                   member ``i`` starts with             member ``i`` ends with (its output)
 =====================  ===================================  ===================================
-all_gather             chunks of block ``i``                all chunks, in order
-reduce_scatter         all chunks (its own contribution)    chunks of block ``i``, fully reduced
-all_reduce             all chunks (its own contribution)    all chunks, fully reduced
-all_to_all             chunks ``(i*p + j)*m + h`` (all j)    chunks ``(k*p + i)*m + h`` for all k
-collective_permute     chunk ``i`` (its whole buffer)       chunk ``s`` if ``(s, i)`` is a pair,
+all_gather             pieces of block ``i``                all pieces, in order
+reduce_scatter         all pieces (its own contribution)    pieces of block ``i``, fully reduced
+all_reduce             all pieces (its own contribution)    all pieces, fully reduced
+all_to_all             pieces ``(i*p + j)*m + h`` (all j)    pieces ``(k*p + i)*m + h`` for all k
+collective_permute     piece ``i`` (its whole buffer)       piece ``s`` if ``(s, i)`` is a pair,
                                                             else zeros
 =====================  ===================================  ===================================
 
-Block ``b`` is chunks ``b*m .. b*m + m - 1``; the chunks a member starts or
+Block ``b`` is pieces ``b*m .. b*m + m - 1``; the pieces a member starts or
 ends with tile its input or output buffer in the order listed.
 
 **Semantics of a step** (both executors implement exactly this, so their
@@ -33,8 +39,8 @@ in the order of ``Step.transfers``: ``reduce=True`` sets
 is therefore fixed by the schedule alone.
 
 **Empty chunks.** When the data does not divide evenly (an all_reduce of a
-scalar over 8 members) some chunks have 0 bytes. They are never transferred
-(no zero-byte transfers are emitted) and count as held by every member.
+scalar over 8 members) some chunks have 0 bytes. They count as held by every
+member and are skipped inside a run; no transfer of 0 bytes is ever emitted.
 
 **Messages.** Transfers of one step with the same ``(src, dst)`` travel as one
 message; price :meth:`CollectiveSchedule.messages`, not single transfers.
@@ -56,13 +62,21 @@ _JSON_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """One chunk sent from group position ``src`` to group position ``dst``."""
+    """Chunks ``chunk .. chunk+count-1`` (``nbytes`` in all) sent from position ``src`` to ``dst``.
+
+    ``reduce=True``: the destination adds them into its accumulator; ``False``: it stores them.
+    """
 
     src: int
     dst: int
     nbytes: int
     chunk: int
     reduce: bool
+    count: int = 1
+
+    @property
+    def chunks(self) -> range:
+        return range(self.chunk, self.chunk + self.count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +93,7 @@ class Message:
     src: int
     dst: int
     nbytes: int
-    chunks: tuple[int, ...]
+    transfers: tuple[Transfer, ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class CollectiveSchedule:
     chunk_bytes: tuple[int, ...] = ()
     itemsize: int = 1
     permutation: tuple[tuple[int, int], ...] | None = None
+    layout: tuple[int, ...] = ()
     _sub: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +138,8 @@ class CollectiveSchedule:
             raise CollectiveError(f"nbytes={self.nbytes} is not a whole number of items of itemsize={self.itemsize}")
         if (self.kind == "collective_permute") != (self.permutation is not None):
             raise CollectiveError("a permutation is required for collective_permute and only for it")
+        if self.layout and sorted(self.layout) != list(range(self.num_chunks)):
+            raise CollectiveError(f"layout must be a permutation of the {self.num_chunks} chunk ids (or empty)")
         object.__setattr__(self, "_sub", self.num_chunks // per)
 
     # ----------------------------------------------------------------- sizes
@@ -145,30 +162,30 @@ class CollectiveSchedule:
         """Bytes of each member's output buffer."""
         return self.nbytes // self.p if self.kind == "reduce_scatter" else self.nbytes
 
-    def block_chunks(self, block: int) -> range:
-        """Chunk ids of block ``block`` (all_gather, reduce_scatter, all_reduce)."""
-        return range(block * self._sub, (block + 1) * self._sub)
+    def _pieces(self, pieces) -> tuple[int, ...]:
+        lay = self.layout
+        return tuple(lay[k] for k in pieces) if lay else tuple(pieces)
 
     def input_chunks(self, pos: int) -> tuple[int, ...]:
         """Chunks member ``pos`` starts with, in the order they tile its input."""
         p, m = self.p, self._sub
         if self.kind == "all_gather":
-            return tuple(self.block_chunks(pos))
+            return self._pieces(range(pos * m, (pos + 1) * m))
         if self.kind in REDUCE_KINDS:
-            return tuple(range(self.num_chunks))
+            return self._pieces(range(self.num_chunks))
         if self.kind == "all_to_all":
-            return tuple(range(pos * p * m, (pos + 1) * p * m))
+            return self._pieces(range(pos * p * m, (pos + 1) * p * m))
         return (pos,)
 
     def output_chunks(self, pos: int) -> tuple[int, ...] | None:
         """Chunks member ``pos`` ends with, in output order (``None``: output is zeros)."""
         p, m = self.p, self._sub
         if self.kind in ("all_gather", "all_reduce"):
-            return tuple(range(self.num_chunks))
+            return self._pieces(range(self.num_chunks))
         if self.kind == "reduce_scatter":
-            return tuple(self.block_chunks(pos))
+            return self._pieces(range(pos * m, (pos + 1) * m))
         if self.kind == "all_to_all":
-            return tuple((k * p + pos) * m + h for k in range(p) for h in range(m))
+            return self._pieces((k * p + pos) * m + h for k in range(p) for h in range(m))
         for s, d in self.permutation or ():
             if d == pos:
                 return (s,)
@@ -192,8 +209,7 @@ class CollectiveSchedule:
             groups: dict[tuple[int, int], list[Transfer]] = {}
             for t in step.transfers:
                 groups.setdefault((t.src, t.dst), []).append(t)
-            out.append(tuple(Message(s, d, sum(t.nbytes for t in ts), tuple(t.chunk for t in ts))
-                             for (s, d), ts in groups.items()))
+            out.append(tuple(Message(s, d, sum(t.nbytes for t in ts), tuple(ts)) for (s, d), ts in groups.items()))
         return tuple(out)
 
     def num_messages(self) -> int:
@@ -212,7 +228,9 @@ class CollectiveSchedule:
             "nbytes": self.nbytes, "num_chunks": self.num_chunks, "itemsize": self.itemsize,
             "chunk_bytes": list(self.chunk_bytes),
             "permutation": None if self.permutation is None else [list(x) for x in self.permutation],
-            "steps": [[[t.src, t.dst, t.nbytes, t.chunk, int(t.reduce)] for t in s.transfers] for s in self.steps],
+            "layout": list(self.layout),
+            "steps": [[[t.src, t.dst, t.nbytes, t.chunk, int(t.reduce), t.count] for t in s.transfers]
+                      for s in self.steps],
         }
 
     def to_json(self) -> str:
@@ -229,8 +247,9 @@ class CollectiveSchedule:
             sched = cls(
                 kind=d["kind"], algorithm=d["algorithm"], group_shape=tuple(int(x) for x in d["group_shape"]),
                 nbytes=int(d["nbytes"]), num_chunks=int(d["num_chunks"]),
-                steps=tuple(Step(tuple(Transfer(int(a), int(b), int(n), int(c), bool(r)) for a, b, n, c, r in s))
-                            for s in d["steps"]),
+                steps=tuple(Step(tuple(Transfer(int(a), int(b), int(n), int(c), bool(r), int(k))
+                                       for a, b, n, c, r, k in s)) for s in d["steps"]),
+                layout=tuple(int(x) for x in d["layout"]),
                 chunk_bytes=tuple(int(x) for x in d["chunk_bytes"]), itemsize=int(d["itemsize"]),
                 permutation=None if perm is None else tuple((int(a), int(b)) for a, b in perm))
         except (KeyError, TypeError, ValueError) as e:
@@ -264,31 +283,41 @@ def validate_schedule(sched: CollectiveSchedule) -> None:
             state.append(dict.fromkeys(range(sched.num_chunks), 1 << pos))
         else:
             state.append(dict.fromkeys(sched.input_chunks(pos), 1 << pos))
+    prefix = [0]
+    for nb in sched.chunk_bytes:
+        prefix.append(prefix[-1] + nb)
     for si, step in enumerate(sched.steps):
         sent = []
         for t in step.transfers:
             where = f"step {si} transfer {t}"
             if not (0 <= t.src < p and 0 <= t.dst < p) or t.src == t.dst:
                 raise CollectiveError(f"{where}: src/dst must be distinct positions in 0..{p - 1}")
-            if not 0 <= t.chunk < sched.num_chunks or t.chunk in empty:
-                raise CollectiveError(f"{where}: chunk must be a non-empty chunk id < {sched.num_chunks}")
-            if t.nbytes != sched.chunk_bytes[t.chunk]:
-                raise CollectiveError(f"{where}: nbytes must equal chunk_bytes[{t.chunk}]={sched.chunk_bytes[t.chunk]}")
+            if t.count < 1 or not 0 <= t.chunk <= t.chunk + t.count <= sched.num_chunks:
+                raise CollectiveError(f"{where}: chunks must be a non-empty run of ids < {sched.num_chunks}")
+            nb = prefix[t.chunk + t.count] - prefix[t.chunk]
+            if t.nbytes != nb or nb == 0:
+                raise CollectiveError(f"{where}: nbytes must be the run's size {nb} and not 0")
             if t.reduce and kind not in REDUCE_KINDS:
                 raise CollectiveError(f"{where}: {kind} cannot reduce")
-            if t.chunk not in state[t.src]:
-                raise CollectiveError(f"{where}: member {t.src} does not hold chunk {t.chunk} yet")
-            sent.append(state[t.src][t.chunk])
-        for t, val in zip(step.transfers, sent):
-            if t.reduce:
-                have = state[t.dst].get(t.chunk)
-                if have is None or have & val:
-                    raise CollectiveError(
-                        f"step {si} transfer {t}: reduce into a chunk the destination lacks or that would "
-                        "count a contribution twice")
-                state[t.dst][t.chunk] = have | val
-            else:
-                state[t.dst][t.chunk] = val
+            vals = []
+            for c in t.chunks:
+                if c in empty:
+                    continue
+                if c not in state[t.src]:
+                    raise CollectiveError(f"{where}: member {t.src} does not hold chunk {c} yet")
+                vals.append((c, state[t.src][c]))
+            sent.append(vals)
+        for t, vals in zip(step.transfers, sent):
+            for c, val in vals:
+                if t.reduce:
+                    have = state[t.dst].get(c)
+                    if have is None or have & val:
+                        raise CollectiveError(
+                            f"step {si} transfer {t}: reduce into chunk {c} that the destination lacks or that "
+                            "would count a contribution twice")
+                    state[t.dst][c] = have | val
+                else:
+                    state[t.dst][c] = val
     for pos in range(p):
         for c in sched.output_chunks(pos) or ():
             if c in empty:

@@ -165,8 +165,10 @@ def apply_tactic(state: ShardingState, tactic: ManualPartition, index: int) -> N
         if where == dim:
             continue
         if where is not None:
+            why = state.origin.get((v.id, axis), "an earlier tactic")
             raise ShardingError(f"tactic {label}: axis {axis!r} is used twice on input {name!r}: it already tiles "
-                                f"dim {where} ({state.sharding(v)}) and the tactic asks for dim {dim}")
+                                f"dim {where} ({state.sharding(v)}, from {why}) and the tactic asks for dim {dim}; "
+                                "drop one of the two or use another axis")
         if axis in state.pinned.get(v, ()):
             raise ShardingError(f"tactic {label}: input {name!r} was pinned REPLICATED on axis {axis!r} "
                                 "by an earlier tactic")
@@ -284,7 +286,7 @@ def _dim_axes(F: dict[int, tuple[str, ...]], sizes, factors, mesh: Mesh) -> tupl
     for f in factors:
         fa = F.get(f)
         if not fa:
-            if sizes[f] != 1 and axes:
+            if sizes[f] != 1:
                 closed = True
             continue
         if closed:

@@ -32,7 +32,7 @@ _CALL_PARAMS = {
 
 # Every primitive the rest of the system handles (sharding rule, numpy impl, cost).
 SUPPORTED = frozenset("""
-neg exp exp2 log log1p expm1 tanh logistic erf erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
+neg exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
 sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision
 add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter
 select_n clamp

@@ -28,15 +28,14 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler.ir import Program, Var
-from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram, collective_bytes
+from partir_emu.compiler.spmd import SpmdProgram, collective_bytes
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.costs import KINDS, cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
 from partir_emu.hwmodels.placement import Placement, place
-from partir_emu.hwmodels.specs import HardwareSpec, load_spec
+from partir_emu.hwmodels.specs import MATMUL_16BIT_DTYPES, HardwareSpec, load_spec
 
 _RATE_MM16, _RATE_MM32, _RATE_VEC = 0, 1, 2
-_MM16 = frozenset({"bfloat16", "float16", "int8", "uint8", "int16", "uint16"})
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ def analyze(program: Program) -> ProgramCosts:
             p = prim_ids[prim] = len(prim_ids)
         pidx[i] = p
         if k == "matmul":
-            rate[i] = _RATE_MM16 if e.inputs[0].dtype in _MM16 else _RATE_MM32
+            rate[i] = _RATE_MM16 if e.inputs[0].dtype in MATMUL_16BIT_DTYPES else _RATE_MM32
         elif k == "collective":
             comm.append((i, prim, tuple(e.params["axes"]), collective_bytes(e), e.inputs[0].dtype))
     pc = ProgramCosts(np.array(flops), np.array(byts), np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
@@ -223,25 +222,20 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
     times = np.maximum(pc.flops / rates[pc.rate_class], pc.bytes / spec.hbm_bw_bytes_per_s)
 
     model = CommModel(placement, algorithms)
-    rows = []
-    for i, prim, axes, nbytes, dtype in pc.comm:
-        c = model.cost(prim, axes, nbytes, dtype)
-        times[i] = c.time_s
-        rows.append(CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s))
+    costs = [model.cost(prim, axes, nbytes, dtype) for _, prim, axes, nbytes, dtype in pc.comm]
     is_comm = np.zeros(len(times), dtype=bool)
-    is_comm[[r.index for r in rows]] = True
+    for (i, *_), c in zip(pc.comm, costs):
+        times[i] = c.time_s
+        is_comm[i] = True
     compute_s = float(times[~is_comm].sum())
     comm_s = float(times[is_comm].sum())
     if overlap:
         step_s, starts = _overlap_schedule(times, is_comm, pc.deps(spmd.program))
-        rows = [CollectiveRow(r.index, r.prim, r.axes, r.nbytes, r.group_size, r.algorithm, r.time_s, starts[r.index])
-                for r in rows]
     else:
         step_s = compute_s + comm_s
-        if rows:
-            starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))
-            rows = [CollectiveRow(r.index, r.prim, r.axes, r.nbytes, r.group_size, r.algorithm, r.time_s,
-                                  float(starts[r.index])) for r in rows]
+        starts = np.concatenate(([0.0], np.cumsum(times)[:-1])).tolist() if pc.comm else []
+    rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, starts[i])
+            for (i, prim, axes, nbytes, _), c in zip(pc.comm, costs)]
 
     nk = len(KINDS)
     ksums = [np.bincount(pc.kind, weights=w, minlength=nk).tolist() for w in (None, times, pc.flops, pc.bytes)]

@@ -160,7 +160,8 @@ _register("elementwise", _elementwise, """
 neg exp exp2 log log1p expm1 tanh logistic erf erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
 sin cos tan asin acos atan sinh cosh asinh acosh atanh is_finite integer_pow square
 add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter select_n clamp
-shift_left shift_right_logical shift_right_arithmetic population_count""")
+shift_left shift_right_logical shift_right_arithmetic population_count clz erfc lgamma digamma igamma igammac
+bessel_i0e bessel_i1e polygamma zeta regularized_incomplete_beta real imag conj complex""")
 _register("reduction", _reduction, """
 reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
 cumsum cumprod cummax cummin cumlogsumexp""")

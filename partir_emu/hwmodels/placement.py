@@ -248,7 +248,8 @@ def _explicit(m: dict[str, list[str]], mesh: Mesh, topo: Topology) -> dict[str, 
             where = "+".join(dims) or "no physical dim"
             raise PlacementError(
                 f"mesh axis {axis}={size} is placed on {where} of size {phys} "
-                f"({topo.describe()}); an axis needs physical dims whose sizes multiply to its size")
+                f"({topo.describe()}); an axis needs physical dims whose sizes multiply to its size "
+                f"(choose the dims, or the slice shape with slice_dims=..., to match)")
         out[axis] = tuple(Factor(index[d], topo.dims[index[d]], 1) for d in dims)
     left = [n for n, s in zip(topo.dim_names, topo.dims) if s > 1 and n not in {d for v in m.values() for d in v}]
     if left:

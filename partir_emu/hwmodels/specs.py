@@ -121,7 +121,7 @@ class HardwareSpec:
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak matrix rate for operands of ``dtype`` (16-bit floats and ints: bf16 rate; others: f32)."""
-        return self.flops_bf16_per_s if dtype in _BF16_RATE else self.flops_f32_per_s
+        return self.flops_bf16_per_s if dtype in MATMUL_16BIT_DTYPES else self.flops_f32_per_s
 
     def to_json(self) -> dict:
         net = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.network).items()}
@@ -135,7 +135,7 @@ class HardwareSpec:
                 f"at {self.hbm_bw_bytes_per_s / 1e9:g} GB/s")
 
 
-_BF16_RATE = frozenset({"bfloat16", "float16", "int8", "uint8", "int16", "uint16"})
+MATMUL_16BIT_DTYPES = frozenset({"bfloat16", "float16", "int8", "uint8", "int16", "uint16"})
 
 
 # -- finding files ---------------------------------------------------------------------------------

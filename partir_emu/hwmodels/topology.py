@@ -260,7 +260,7 @@ def default_slice(spec: TorusSpec, num_chips: int) -> tuple[int, ...]:
             continue
         dims = tuple(combo)
         wraps = sum(torus_wraparound(spec, dims))
-        score = (max(dims), -wraps, dims)
+        score = (max(dims), -wraps, -min(dims), dims)
         if best is None or score < best[0]:
             best = (score, dims)
     if best is None:

@@ -66,6 +66,7 @@ class ReleasePlan:
 
 
 def release_plan(program: Program) -> ReleasePlan:
+    """When each value is released under the peak-memory convention of this module."""
     keep = {o for o in program.outputs if isinstance(o, Var)}
     last: dict[Var, int] = {}
     for i, e in enumerate(program.eqns):

@@ -51,18 +51,35 @@ def _polevl(x: np.ndarray, c: tuple[float, ...], monic: bool = False) -> np.ndar
     return y
 
 
+def _erf_inner(x: np.ndarray) -> np.ndarray:
+    xi = np.clip(x, -1.0, 1.0)
+    z = xi * xi
+    return xi * _polevl(z, _T) / _polevl(z, _U, monic=True)
+
+
+def _erfc_tail(a: np.ndarray) -> np.ndarray:
+    """erfc(|x|) for |x| >= 1 (smaller |x| are clipped to 1; erfc(30) underflows already)."""
+    ao = np.clip(a, 1.0, 30.0)
+    tail = np.where(ao < 8.0, _polevl(ao, _P) / _polevl(ao, _Q, monic=True),
+                    _polevl(ao, _R) / _polevl(ao, _S, monic=True))
+    return np.exp(-ao * ao) * tail
+
+
 def erf64(x: np.ndarray) -> np.ndarray:
     """erf in float64 for any real array (NaN stays NaN, ±inf → ±1)."""
     x = np.asarray(x, np.float64)
     a = np.abs(x)
-    xi = np.clip(x, -1.0, 1.0)
-    z = xi * xi
-    inner = xi * _polevl(z, _T) / _polevl(z, _U, monic=True)
-    ao = np.clip(a, 1.0, 30.0)  # erfc(30) underflows to 0 already
-    tail = np.where(ao < 8.0, _polevl(ao, _P) / _polevl(ao, _Q, monic=True),
-                    _polevl(ao, _R) / _polevl(ao, _S, monic=True))
-    outer = np.copysign(1.0 - np.exp(-ao * ao) * tail, x)
-    return np.where(a <= 1.0, inner, outer) + np.where(np.isnan(x), x, 0.0)
+    outer = np.copysign(1.0 - _erfc_tail(a), x)
+    return np.where(a <= 1.0, _erf_inner(x), outer) + np.where(np.isnan(x), x, 0.0)
+
+
+def erfc64(x: np.ndarray) -> np.ndarray:
+    """erfc in float64, accurate in the tail (not computed as 1 - erf there)."""
+    x = np.asarray(x, np.float64)
+    a = np.abs(x)
+    t = _erfc_tail(a)
+    outer = np.where(x > 0, t, 2.0 - t)
+    return np.where(a <= 1.0, 1.0 - _erf_inner(x), outer) + np.where(np.isnan(x), x, 0.0)
 
 
 def _erf_inv64(x: np.ndarray) -> np.ndarray:
@@ -201,6 +218,7 @@ rules: dict[str, Rule] = {
     "logistic": _logistic,
     "erf": _unary(erf64),
     "erf_inv": _unary(_erf_inv64),
+    "erfc": _unary(erfc64),  # not traced yet (trace.SUPPORTED); exact gelu needs it
     "rsqrt": _unary(lambda x: np.asarray(1, x.dtype) / np.sqrt(x)),
     "sqrt": _unary(np.sqrt),
     "cbrt": _unary(np.cbrt),

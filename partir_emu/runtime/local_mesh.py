@@ -26,7 +26,7 @@ import numpy as np
 from partir_emu.compiler.ir import Eqn
 from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.spmd import SpmdProgram
-from partir_emu.errors import ArgumentError, CollectiveError, MeshError
+from partir_emu.errors import ArgumentError, CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.dtypes import np_dtype
 from partir_emu.runtime.engine import run_spmd
 from partir_emu.runtime.layout import shard, unshard
@@ -65,6 +65,10 @@ class LocalMesh:
         res = run_spmd(spmd, range(mesh.size), local, self._collective)
         outputs = [unshard([res.outputs[d][k] for d in range(mesh.size)], s, mesh, name)
                    for k, (s, name) in enumerate(zip(spmd.out_shardings, spmd.output_names))]
+        for out, name, shape in zip(outputs, spmd.output_names, spmd.global_out_shapes):
+            if out.shape != tuple(shape):
+                raise EmulationError(f"output {name!r} assembled to shape {list(out.shape)}, but the program "
+                                     f"declares the global shape {list(shape)}")
         return RunResult(outputs, [res.peak_bytes[d] for d in range(mesh.size)], time.perf_counter() - t0)
 
     # -- collectives ----------------------------------------------------------------

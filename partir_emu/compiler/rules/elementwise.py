@@ -5,7 +5,7 @@ from __future__ import annotations
 from partir_emu.compiler.ir import Eqn
 from partir_emu.compiler.rules import FactorRule, RuleBuilder, register
 
-UNARY = """neg exp exp2 log log1p expm1 tanh logistic erf erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
+UNARY = """neg exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
 sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision""".split()
 BINARY = "add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter".split()
 OTHER = ["select_n", "clamp"]

@@ -1,0 +1,169 @@
+"""Worker for tests/mpi/test_collectives_mpi.py, run under ``mpiexec -n R``.
+
+Every rank hosts ``k`` devices (``--placement block``: devices ``r*k .. r*k+k-1``;
+``cyclic``: device ``d`` on rank ``d % R``). For several families of groups
+(the whole mesh, rows and strided columns of a 2-row mesh, a shuffled order,
+the mesh as a 2-D torus) and every kind x algorithm, the MPI schedule executor
+must equal the local executor bit for bit, and the native path must be close
+to the numpy reference. Rank 0 prints one JSON line with the verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
+from partir_emu.collectives.local import reference, run_schedule
+from partir_emu.collectives.mpi import SubcommCache, run_native_mpi, run_schedule_mpi, run_schedules_mpi
+from partir_emu.collectives.schedule import KINDS
+from partir_emu.errors import CollectiveError
+
+TIMEOUT_S = 30.0
+
+
+def families(n_dev: int, seed: int) -> list[tuple[str, list[list[int]], tuple[int, ...]]]:
+    fams = [("all", [list(range(n_dev))], (n_dev,))]
+    rng = np.random.default_rng(seed)
+    fams.append(("shuffled", [rng.permutation(n_dev).tolist()], (n_dev,)))
+    if n_dev >= 4 and n_dev % 2 == 0:
+        b = n_dev // 2
+        fams.append(("rows", [[r * b + j for j in range(b)] for r in range(2)], (b,)))
+        fams.append(("cols", [[r * b + j for r in range(2)] for j in range(b)], (2,)))
+        fams.append(("mesh2d", [list(range(n_dev))], (2, b)))
+    if n_dev >= 8 and n_dev % 4 == 0:
+        s = n_dev // 4
+        fams.append(("strided2x2", [[j + i * s for i in range(4)] for j in range(s)], (2, 2)))
+    return fams
+
+
+def inputs(kind: str, p: int, n: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    size = n // p if kind == "all_gather" else n
+    if dtype == "int32":
+        return [rng.integers(-1000, 1000, size).astype(np.int32) for _ in range(p)]
+    return [rng.standard_normal(size).astype(np.float32) for _ in range(p)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--placement", choices=("block", "cyclic"), default="block")
+    ap.add_argument("--native", action="store_true")
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    me, nranks, k = comm.Get_rank(), comm.Get_size(), args.k
+    n_dev = nranks * k
+    rank_of = (lambda d: d // k) if args.placement == "block" else (lambda d: d % nranks)
+    t0 = time.monotonic()
+    failures: list[str] = []
+    cases = 0
+    trace: list = []
+    expected_transfers = 0
+    subcomms = SubcommCache(comm)
+    tag = 0
+    for fam_i, (fam, groups, shape) in enumerate(families(n_dev, seed=7)):
+        p = len(groups[0])
+        mine = [g for g in groups if any(rank_of(d) == me for d in g)]
+        for kind in KINDS:
+            for alg in ALGORITHMS:
+                sizes = [p * 6, 1, p * 6 + 3] if kind == "all_reduce" else [p * 6]
+                for si, n in enumerate(sizes):
+                    if kind == "collective_permute" and alg != "ring":
+                        continue
+                    dtype = "int32" if (si == 0 and alg == "ring") else "float32"
+                    op = "max" if (dtype == "int32" and kind in ("all_reduce", "reduce_scatter")) else "sum"
+                    perm = tuple((i, (i + 1 + fam_i) % p) for i in range(p) if i % 3 != 1) \
+                        if kind == "collective_permute" else None
+                    sched = build_schedule(kind, shape, n * 4, alg, devices_per_node=2, permutation=perm)
+                    expected_transfers += len(groups) * sum(len(s.transfers) for s in sched.steps)
+                    cases += 1
+                    seed = zlib.crc32(repr((fam_i, kind, alg, n)).encode())
+                    data = {tuple(g): inputs(kind, p, n, dtype, seed + gi) for gi, g in enumerate(groups)}
+                    jobs = [(sched, g, {pos: data[tuple(g)][pos] for pos in range(p) if rank_of(g[pos]) == me})
+                            for g in mine]
+                    label = f"{fam} {kind}[{alg}->{sched.algorithm}] shape={shape} n={n} {dtype} {op}"
+                    try:
+                        if cases % 2:
+                            outs = run_schedules_mpi(comm, jobs[::-1], rank_of, op, tag, trace, timeout_s=TIMEOUT_S)
+                            outs = outs[::-1]
+                        else:
+                            outs = [run_schedule_mpi(s, comm, g, rank_of, loc, op, tag, trace, timeout_s=TIMEOUT_S)
+                                    for s, g, loc in jobs]
+                        for (_, g, loc), out in zip(jobs, outs):
+                            want = run_schedule(sched, data[tuple(g)], op)
+                            for pos in loc:
+                                if not (out[pos].dtype == want[pos].dtype and np.array_equal(out[pos], want[pos])):
+                                    failures.append(f"rank {me} {label} group {g} pos {pos}: schedule != local")
+                        if args.native:
+                            for _, g, loc in jobs:
+                                got = run_native_mpi(kind, subcomms, g, rank_of, loc, op, permutation=perm,
+                                                     tag_base=tag, timeout_s=TIMEOUT_S)
+                                ref = reference(kind, data[tuple(g)], op, perm)
+                                for pos in loc:
+                                    if not np.allclose(got[pos], ref[pos], rtol=1e-5, atol=1e-5):
+                                        failures.append(f"rank {me} {label} group {g} pos {pos}: native != reference")
+                    except Exception as e:  # report, keep going
+                        failures.append(f"rank {me} {label}: {type(e).__name__}: {e}")
+                        traceback.print_exc(file=sys.stderr)
+                    tag += 1000
+    mismatch = check_mismatch(comm, rank_of, n_dev, subcomms) if nranks >= 2 else []
+    subcomms.free()
+    total_traced = comm.allreduce(len(trace))
+    all_failures = comm.gather(failures, root=0)
+    all_mismatch = comm.gather(mismatch, root=0)
+    if me == 0:
+        flat = [f for fs in all_failures for f in fs]
+        mm_ok = all(all(m) for m in all_mismatch)
+        ok = not flat and total_traced == expected_transfers and mm_ok
+        print(json.dumps({"ok": ok, "ranks": nranks, "k": k, "placement": args.placement, "cases": cases,
+                          "failures": flat[:20], "num_failures": len(flat),
+                          "trace": [total_traced, expected_transfers], "mismatch": all_mismatch,
+                          "seconds": round(time.monotonic() - t0, 2)}), flush=True)
+    return 0
+
+
+def check_mismatch(comm: MPI.Comm, rank_of, n_dev: int, subcomms: SubcommCache) -> list[bool]:
+    """Ranks 0 and 1 disagree on a collective: both must raise CollectiveError, then still work."""
+    me = comm.Get_rank()
+    if me > 1:
+        return []
+    d0 = next(d for d in range(n_dev) if rank_of(d) == 0)
+    d1 = next(d for d in range(n_dev) if rank_of(d) == 1)
+    group = [d0, d1]
+    pos = 0 if me == 0 else 1
+    results = []
+    variants = [  # (kind, nbytes, dtype) per rank
+        (("all_reduce", 32, np.float32), ("all_reduce", 64, np.float32)),
+        (("all_reduce", 32, np.float32), ("all_reduce", 32, np.int32)),
+        (("all_reduce", 32, np.float32), ("all_gather", 32, np.float32)),
+    ]
+    for i, variant in enumerate(variants):
+        kind, nbytes, dtype = variant[pos]
+        sched = build_schedule(kind, (2,), nbytes, "ring")
+        buf = np.ones(sched.input_nbytes // 4, dtype)
+        try:
+            run_schedule_mpi(sched, comm, group, rank_of, {pos: buf}, tag_base=10_000 * (i + 1), timeout_s=10)
+            results.append(False)
+        except CollectiveError as e:
+            results.append("disagree" in str(e))
+    try:  # native: sizes differ
+        run_native_mpi("all_reduce", subcomms, group, rank_of, {pos: np.ones(4 + 4 * pos, np.float32)}, timeout_s=10)
+        results.append(False)
+    except CollectiveError as e:
+        results.append("disagree" in str(e))
+    sched = build_schedule("all_reduce", (2,), 64, "ring")  # and the pair still works afterwards
+    out = run_schedule_mpi(sched, comm, group, rank_of, {pos: np.full(16, pos + 1, np.float32)},
+                           tag_base=90_000, timeout_s=10)
+    results.append(bool(np.array_equal(out[pos], np.full(16, 3, np.float32))))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
