@@ -10,10 +10,10 @@ import argparse
 import json
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from partir_emu.compiler.mesh import Mesh
-from partir_emu.errors import PartirError
+from partir_emu.errors import PartirError, UsageError
 
 
 def _add_common(p: argparse.ArgumentParser, mesh_default: str | None = "batch=2,model=2") -> None:
@@ -75,7 +75,7 @@ def cmd_show(args) -> int:
     if args.after_tactic is not None:
         k = args.after_tactic
         if not 0 <= k < len(low.states):
-            raise PartirError_(f"--after-tactic {k}: the schedule has {len(low.states) - 1} tactic(s); "
+            raise UsageError(f"--after-tactic {k}: the schedule has {len(low.states) - 1} tactic(s); "
                                f"use 0..{len(low.states) - 1} (0 = before any tactic)")
         print(low.states[k].pretty(show_all=args.all))
         return 0
@@ -86,10 +86,6 @@ def cmd_show(args) -> int:
         low.spmd.save(args.output)
         print(f"wrote {args.output}")
     return 0
-
-
-class PartirError_(PartirError):
-    """A bad command-line value."""
 
 
 def cmd_list(args) -> int:

@@ -63,3 +63,7 @@ class PlacementError(PartirError):
 
 class ScenarioError(PartirError):
     """An unknown scenario, strategy, size preset or size override."""
+
+
+class UsageError(PartirError):
+    """A command-line value that is out of range or inconsistent."""

@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scenario_case(name: str, overrides: str | None = None):
     """(program, flat inputs, reference outputs) of a scenario at its tiny size, computed once."""
     import jax

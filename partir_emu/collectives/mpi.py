@@ -89,10 +89,10 @@ def run_schedules_mpi(comm: MPI.Comm, jobs: Sequence[Job], rank_of_device: Calla
         for ji, pj in enumerate(prepared):
             if s >= len(pj.sched.steps):
                 continue
-            for ti, t in enumerate(pj.sched.steps[s].transfers):
+            transfers = pj.sched.steps[s].transfers
+            for ti in pj.touch[s]:
+                t = transfers[ti]
                 src_r, dst_r = pj.ranks[t.src], pj.ranks[t.dst]
-                if src_r != me and dst_r != me:
-                    continue
                 chunks = run_chunks(pj.sched, t)
                 if src_r == me:
                     payload = [pj.state[t.src][c] for c in chunks]
@@ -129,9 +129,11 @@ def run_schedules_mpi(comm: MPI.Comm, jobs: Sequence[Job], rank_of_device: Calla
         for ji, pj in enumerate(prepared):
             if s >= len(pj.sched.steps):
                 continue
-            for ti, t in enumerate(pj.sched.steps[s].transfers):
+            transfers = pj.sched.steps[s].transfers
+            for ti in pj.touch[s]:
+                t = transfers[ti]
                 payload = local_payload.get((ji, ti))
-                if payload is not None and not (s == 1 and ti == 0):
+                if payload is not None:
                     apply_transfer(pj.state[t.dst], run_chunks(pj.sched, t), payload, t.reduce, fn)
     results: list[dict[int, np.ndarray]] = [{} for _ in jobs]
     for j, pj in zip(order, prepared):
@@ -286,10 +288,12 @@ class _Prepared:
     def __init__(self, sched: CollectiveSchedule, devices: list[int], ranks: list[int], dtype: np.dtype,
                  state: dict[int, dict[int, np.ndarray]]):
         self.sched, self.devices, self.ranks, self.dtype, self.state = sched, devices, ranks, dtype, state
-        self.peers_out = sorted({ranks[t.dst] for st in sched.steps for t in st.transfers
-                                 if t.src in state and ranks[t.dst] != ranks[t.src]})
-        self.peers_in = sorted({ranks[t.src] for st in sched.steps for t in st.transfers
-                                if t.dst in state and ranks[t.dst] != ranks[t.src]})
+        self.touch = sched.touching(list(state))  # per step: transfers from or to a member of this rank
+        me = ranks[next(iter(state))] if state else -1
+        pairs = {(ranks[t.src], ranks[t.dst]) for step, idx in zip(sched.steps, self.touch)
+                 for t in (step.transfers[i] for i in idx)}
+        self.peers_out = sorted(d for s, d in pairs if s == me and d != me)
+        self.peers_in = sorted(s for s, d in pairs if d == me and s != me)
 
 
 def _prepare(job: Job, rank_of_device: Callable[[int], int], me: int, nranks: int) -> _Prepared:
@@ -361,14 +365,22 @@ def _wait(reqs: list[MPI.Request], statuses: list[MPI.Status] | None, timeout_s:
     try:
         while not (MPI.Request.Testall(reqs, statuses) if statuses is not None else MPI.Request.Testall(reqs)):
             if deadline is not None and time.monotonic() > deadline:
-                for r in reqs:
-                    if r != MPI.REQUEST_NULL:
-                        r.Cancel()
+                _cancel(reqs)
                 raise CollectiveError(f"timed out after {timeout_s} s in {what()}: a participant is missing or "
                                       "runs a different collective; check that all ranks run the same program")
             time.sleep(_POLL_S)
     except MPI.Exception as e:
         raise CollectiveError(f"MPI failed in {what()}: {e}; the ranks probably disagree on the collective") from e
+
+
+def _cancel(reqs: list[MPI.Request]) -> None:
+    """Cancel what is pending and give it a moment to complete, so no request leaks into MPI_Finalize."""
+    for r in reqs:
+        if r != MPI.REQUEST_NULL:
+            r.Cancel()
+    end = time.monotonic() + 1.0
+    while not MPI.Request.Testall(reqs) and time.monotonic() < end:
+        time.sleep(_POLL_S)
 
 
 def _as_bytes(parts: list[np.ndarray]) -> np.ndarray:

@@ -118,6 +118,7 @@ class CollectiveSchedule:
     permutation: tuple[tuple[int, int], ...] | None = None
     layout: tuple[int, ...] = ()
     _sub: int = field(default=0, init=False, repr=False, compare=False)
+    _touch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -190,6 +191,32 @@ class CollectiveSchedule:
             if d == pos:
                 return (s,)
         return None
+
+    def touching(self, positions: Sequence[int]) -> list[list[int]]:
+        """Per step, the indices (in order) of the transfers from or to any of ``positions``.
+
+        Lets an executor that hosts a few members skip the rest of a large
+        schedule; the per-position index is built once per schedule.
+        """
+        if not self._touch and self.steps:
+            touch: dict[int, list[list[int]]] = {}
+            for si, step in enumerate(self.steps):
+                for ti, t in enumerate(step.transfers):
+                    for pos in {t.src, t.dst}:
+                        per = touch.setdefault(pos, [])
+                        while len(per) <= si:
+                            per.append([])
+                        per[si].append(ti)
+            self._touch.update(touch)
+        out: list[list[int]] = []
+        for si in range(len(self.steps)):
+            idx: set[int] = set()
+            for pos in positions:
+                per = self._touch.get(pos, ())
+                if si < len(per):
+                    idx.update(per[si])
+            out.append(sorted(idx))
+        return out
 
     # ------------------------------------------------------------- traffic
     def total_bytes_sent(self) -> int:

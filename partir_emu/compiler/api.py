@@ -8,9 +8,11 @@ collective statistics and the sharding state after every tactic.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,28 +25,38 @@ from partir_emu.compiler.tactics import ManualPartition
 from partir_emu.errors import ArgumentError, MeshError
 
 
-def partition(program: Program, mesh: Mesh, schedule: Sequence[ManualPartition]) -> list[ShardingState]:
-    """Apply the tactics in order; return the state before any tactic and after each one."""
+def partition(program: Program, mesh: Mesh, schedule: Sequence[ManualPartition],
+              keep_states: bool = True) -> list[ShardingState]:
+    """Apply the tactics in order; return the state before any tactic and after each one
+    (only the final state with ``keep_states=False``)."""
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a partir_emu.Mesh, got {type(mesh).__name__}")
     state = ShardingState.initial(program, mesh)
-    states = [state.copy()]
+    states = [state.copy()] if keep_states else []
     for k, t in enumerate(schedule):
         apply_tactic(state, t, k)
-        states.append(state.copy())
-    return states
+        if keep_states:
+            states.append(state.copy())
+    return states if keep_states else [state]
 
 
 @dataclass
 class Lowered:
     program: Program                 # the traced, global program
-    states: list[ShardingState]      # [initial, after tactic 1, ...]
+    schedule: list[ManualPartition]
+    final_state: ShardingState
     spmd: SpmdProgram
     in_tree: Any = None
     out_tree: Any = None
 
     def stats(self) -> CollectiveStats:
         return self.spmd.stats()
+
+    @functools.cached_property
+    def states(self) -> list[ShardingState]:
+        """[before any tactic, after tactic 1, ...]: replayed on demand (partitioning is
+        deterministic), so lowering does not pay for snapshots nobody reads."""
+        return partition(self.program, self.spmd.mesh, self.schedule, keep_states=True)
 
     def state_after(self, k: int) -> ShardingState:
         return self.states[k]
@@ -59,8 +71,8 @@ class Lowered:
 
 def lower_program(program: Program, mesh: Mesh, schedule: Sequence[ManualPartition],
                   state_outputs: dict[str, str] | None = None) -> Lowered:
-    states = partition(program, mesh, schedule)
-    return Lowered(program, states, lower(states[-1], state_outputs))
+    (state,) = partition(program, mesh, schedule, keep_states=False)
+    return Lowered(program, list(schedule), state, lower(state, state_outputs))
 
 
 def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> Program:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -154,7 +155,7 @@ class Program:
         for v, n in zip(self.inputs, self.input_names):
             lines.append(f"  {v}:{v.type_str()}  # {n}")
         lines.append(") {")
-        for v, c in self.consts:
+        for v, _ in self.consts:
             lines.append(f"  {v}:{v.type_str()} = const")
         for e in self.eqns:
             lines.append("  " + str(e))

@@ -83,7 +83,7 @@ class _Lowerer:
         resolve = [a for a in src.partial if a not in dst.partial]
         new_partial = [a for a in dst.partial if a not in src.partial]
         gather, slc = [], []
-        for d, (s, t) in enumerate(zip(src.dims, dst.dims)):
+        for s, t in zip(src.dims, dst.dims):
             k = 0
             while k < min(len(s), len(t)) and s[k] == t[k]:
                 k += 1

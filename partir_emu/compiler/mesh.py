@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from partir_emu.errors import MeshError
 
@@ -29,14 +29,15 @@ class Mesh:
         self._validate()
         # group sizes are asked for in the compiler's inner loops: memoize them
         object.__setattr__(self, "_sizes", dict(self.axes))
+        object.__setattr__(self, "_names", tuple(n for n, _ in self.axes))
         object.__setattr__(self, "_group_cache", {})
 
     @classmethod
-    def from_items(cls, items: Iterable[tuple[str, int]]) -> "Mesh":
+    def from_items(cls, items: Iterable[tuple[str, int]]) -> Mesh:
         return cls(axes=items)
 
     @classmethod
-    def parse(cls, text: str) -> "Mesh":
+    def parse(cls, text: str) -> Mesh:
         """Parse ``"batch=2,model=4"`` (the CLI's ``--mesh`` syntax)."""
         items = []
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -65,7 +66,7 @@ class Mesh:
     # -- queries -----------------------------------------------------------------
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.axes)
+        return self._names
 
     @property
     def shape(self) -> dict[str, int]:
@@ -137,7 +138,7 @@ class Mesh:
         return [[n, s] for n, s in self.axes]
 
     @classmethod
-    def from_json(cls, data: list) -> "Mesh":
+    def from_json(cls, data: list) -> Mesh:
         return cls(axes=[(str(n), int(s)) for n, s in data])
 
     def __str__(self) -> str:

@@ -45,11 +45,11 @@ class ShardingState:
     tactics_applied: list[str] = field(default_factory=list)
 
     @classmethod
-    def initial(cls, program: Program, mesh: Mesh) -> "ShardingState":
+    def initial(cls, program: Program, mesh: Mesh) -> ShardingState:
         vd = {v: ((),) * v.ndim for v in program.vars()}
         return cls(program, mesh, rules_for(program), vd, [{} for _ in program.eqns])
 
-    def copy(self) -> "ShardingState":
+    def copy(self) -> ShardingState:
         return ShardingState(self.program, self.mesh, self.rules, dict(self.value_dims),
                              [dict(f) for f in self.eqn_factors], {v: set(s) for v, s in self.pinned.items()},
                              dict(self.origin), list(self.conflicts), list(self.tactics_applied))
@@ -120,6 +120,8 @@ def rules_for(program: Program) -> list[FactorRule]:
 
 
 def _mesh_order(mesh: Mesh, axes) -> tuple[str, ...]:
+    if len(axes) < 2:
+        return tuple(axes)
     s = set(axes)
     return tuple(a for a in mesh.axis_names if a in s)
 
@@ -273,9 +275,46 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
             if w is None or dims[d] + (axis,) != w:
                 conflict(e, f"{v} dim {d} is tiled {dims[d]}, the equation wants {w}")
                 continue
+            q = producers.get(v)
+            if q is not None and q != e and not _producer_accepts(state, q, v, d, dims[d] + (axis,), axis):
+                # never tile a value in a way its own producer cannot compute: the consumer
+                # reshards it instead (e.g. x + y.T with x and y tiled alike: one all_to_all)
+                conflict(e, f"{v} dim {d}: its producer [{q}] {p.eqns[q].prim} cannot tile it by {axis!r}")
+                continue
             value_dims[v] = dims[:d] + (w,) + dims[d + 1:]
             state.origin[(v.id, axis)] = why
             enqueue_value(v)
+
+
+def _producer_accepts(state: ShardingState, q: int, v: Var, d: int, new_axes: tuple[str, ...], axis: str) -> bool:
+    """Could equation ``q`` (which defines ``v``) take ``axis`` on the factor behind dim ``d`` of ``v``,
+    given what its other operands and results already say?"""
+    rule = state.rules[q]
+    F = state.eqn_factors[q]
+    k = next(i for i, (x, _) in enumerate(_all_slots(state)[q]) if x is v and i >= _n_operand_slots(state, q))
+    factors = _all_slots(state)[q][k][1][d]
+    f = _factor_of_axis(state, rule.sizes, factors, new_axes, axis)
+    if f is None or f in rule.blocked:
+        return False
+    cur = next((g for g, ax in F.items() if axis in ax), None)
+    if cur is not None:
+        return cur == f
+    if rule.sizes[f] % (state.mesh.group_size(F.get(f, ())) * state.mesh.axis_size(axis)):
+        return False
+    for x, fs in _all_slots(state)[q]:
+        if x is v:
+            continue
+        for dd, da in enumerate(state.value_dims[x]):
+            if axis in da:
+                g = _factor_of_axis(state, rule.sizes, fs[dd], da, axis)
+                if g is not None and g != f:
+                    return False
+    return True
+
+
+def _n_operand_slots(state: ShardingState, q: int) -> int:
+    eqn, rule = state.program.eqns[q], state.rules[q]
+    return sum(1 for fs in rule.operands[:len(eqn.inputs)] if fs)
 
 
 def _dim_axes(F: dict[int, tuple[str, ...]], sizes, factors, mesh: Mesh) -> tuple[str, ...] | None:

@@ -6,8 +6,8 @@ mentioned are replicated. Example: ``{0:(batch,), 1:(model,)} partial=()``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from partir_emu.compiler.mesh import Mesh
 from partir_emu.errors import ShardingError
@@ -19,7 +19,7 @@ class Sharding:
     partial: tuple[str, ...] = ()
 
     @classmethod
-    def replicated(cls, ndim: int) -> "Sharding":
+    def replicated(cls, ndim: int) -> Sharding:
         return cls(((),) * ndim)
 
     @property
@@ -39,10 +39,10 @@ class Sharding:
     def is_replicated(self) -> bool:
         return not any(self.dims) and not self.partial
 
-    def with_dim(self, dim: int, axes: tuple[str, ...]) -> "Sharding":
+    def with_dim(self, dim: int, axes: tuple[str, ...]) -> Sharding:
         return Sharding(self.dims[:dim] + (axes,) + self.dims[dim + 1:], self.partial)
 
-    def with_partial(self, partial: Sequence[str]) -> "Sharding":
+    def with_partial(self, partial: Sequence[str]) -> Sharding:
         return Sharding(self.dims, tuple(partial))
 
     def validate(self, shape: Sequence[int], mesh: Mesh, what: str = "value") -> None:
@@ -71,5 +71,5 @@ class Sharding:
         return {"dims": [list(d) for d in self.dims], "partial": list(self.partial)}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Sharding":
+    def from_json(cls, data: dict) -> Sharding:
         return cls(tuple(tuple(d) for d in data["dims"]), tuple(data.get("partial", ())))

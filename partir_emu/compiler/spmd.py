@@ -149,7 +149,7 @@ class SpmdProgram:
         }
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "<json>") -> "SpmdProgram":
+    def from_json(cls, d: dict, where: str = "<json>") -> SpmdProgram:
         if d.get("format") != FORMAT:
             raise ArtifactError(f"{where}: not a partir SPMD program (format {d.get('format')!r}, expected {FORMAT!r})")
         if d.get("version") != VERSION:
@@ -193,7 +193,7 @@ class SpmdProgram:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
-    def loads(cls, text: str | bytes, where: str = "<string>") -> "SpmdProgram":
+    def loads(cls, text: str | bytes, where: str = "<string>") -> SpmdProgram:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -205,7 +205,7 @@ class SpmdProgram:
             f.write(self.dumps())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "SpmdProgram":
+    def load(cls, path: str | os.PathLike) -> SpmdProgram:
         try:
             with open(path) as f:
                 return cls.loads(f.read(), str(path))

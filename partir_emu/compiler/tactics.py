@@ -10,8 +10,8 @@ pattern that matches an input decides for it.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from partir_emu.errors import TacticError
 

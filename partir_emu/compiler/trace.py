@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -70,7 +71,7 @@ def normalize_param(v: Any) -> Any:
         return np.dtype(v).name
     except TypeError:
         pass
-    if hasattr(v, "name") and isinstance(getattr(v, "name"), str) and "dtype" in type(v).__name__.lower():
+    if hasattr(v, "name") and isinstance(v.name, str) and "dtype" in type(v).__name__.lower():
         return np.dtype(v).name
     raise TraceError(f"cannot normalize primitive parameter {v!r} of type {type(v).__name__}")
 

@@ -23,7 +23,7 @@ import json
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,8 +38,9 @@ from partir_emu.hwmodels.specs import MATMUL_16BIT_DTYPES, HardwareSpec, load_sp
 _RATE_MM16, _RATE_MM32, _RATE_VEC = 0, 1, 2
 
 
-@dataclass(frozen=True)
-class CollectiveRow:
+class CollectiveRow(NamedTuple):
+    """One communicating collective of the program, priced (a NamedTuple: cheap to build in bulk)."""
+
     index: int                # equation index
     prim: str
     axes: tuple[str, ...]
@@ -146,6 +147,10 @@ class ProgramCosts:
     prim_names: tuple[str, ...]
     comm: tuple[tuple[int, str, tuple[str, ...], int, str], ...]   # (index, prim, axes, nbytes, dtype)
     memory: MemoryProfile
+    comm_index: np.ndarray       # equation index of each entry of ``comm``
+    comm_keys: tuple[tuple[str, tuple[str, ...], int, str], ...]   # distinct (prim, axes, nbytes, dtype), first seen first
+    comm_inverse: np.ndarray     # for each entry of ``comm``: its index in ``comm_keys``
+    is_comm: np.ndarray          # per equation: a communicating collective?
     _deps: list = field(default_factory=list, repr=False)
 
     def deps(self, program: Program) -> tuple[tuple[int, ...], ...]:
@@ -196,8 +201,14 @@ def analyze(program: Program) -> ProgramCosts:
             rate[i] = _RATE_MM16 if e.inputs[0].dtype in MATMUL_16BIT_DTYPES else _RATE_MM32
         elif k == "collective":
             comm.append((i, prim, tuple(e.params["axes"]), collective_bytes(e), e.inputs[0].dtype))
+    keys: dict[tuple, int] = {}
+    inverse = [keys.setdefault(c[1:], len(keys)) for c in comm]
+    comm_index = np.array([c[0] for c in comm], dtype=np.int64)
+    is_comm = np.zeros(n, dtype=bool)
+    is_comm[comm_index] = True
     pc = ProgramCosts(np.array(flops), np.array(byts), np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
-                      np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm), peak_memory(program))
+                      np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm), peak_memory(program),
+                      comm_index, tuple(keys), np.array(inverse, dtype=np.int64), is_comm)
     if len(_ANALYSES) > 256:
         for key in [k for k, (ref, _) in _ANALYSES.items() if ref() is None]:
             del _ANALYSES[key]
@@ -218,24 +229,25 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
     if not isinstance(placement, Placement):
         placement = place(spmd.mesh, spec, placement, slice_dims)
     pc = analyze(spmd.program)
-    rates = np.array([spec.flops_bf16_per_s, spec.flops_f32_per_s, spec.vector_flops_per_s])
-    times = np.maximum(pc.flops / rates[pc.rate_class], pc.bytes / spec.hbm_bw_bytes_per_s)
+    times = compute_times(pc, spec)
 
     model = CommModel(placement, algorithms)
-    costs = [model.cost(prim, axes, nbytes, dtype) for _, prim, axes, nbytes, dtype in pc.comm]
-    is_comm = np.zeros(len(times), dtype=bool)
-    for (i, *_), c in zip(pc.comm, costs):
-        times[i] = c.time_s
-        is_comm[i] = True
+    # all collectives with the same (prim, axes, nbytes, dtype) cost the same: price each distinct one once
+    costs = [model.cost(prim, axes, nbytes, dtype) for prim, axes, nbytes, dtype in pc.comm_keys]
+    is_comm = pc.is_comm
+    if costs:
+        times[pc.comm_index] = np.array([c.time_s for c in costs])[pc.comm_inverse]
     compute_s = float(times[~is_comm].sum())
     comm_s = float(times[is_comm].sum())
     if overlap:
         step_s, starts = _overlap_schedule(times, is_comm, pc.deps(spmd.program))
+        comm_starts = [starts[i] for i in pc.comm_index.tolist()]
     else:
         step_s = compute_s + comm_s
-        starts = np.concatenate(([0.0], np.cumsum(times)[:-1])).tolist() if pc.comm else []
-    rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, starts[i])
-            for (i, prim, axes, nbytes, _), c in zip(pc.comm, costs)]
+        comm_starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))[pc.comm_index].tolist() if pc.comm else []
+    rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, s0)
+            for (i, prim, axes, nbytes, _), c, s0 in zip(pc.comm, (costs[k] for k in pc.comm_inverse.tolist()),
+                                                          comm_starts)]
 
     nk = len(KINDS)
     ksums = [np.bincount(pc.kind, weights=w, minlength=nk).tolist() for w in (None, times, pc.flops, pc.bytes)]
@@ -248,12 +260,13 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
                for j, name in enumerate(pc.prim_names)}
     by_coll: dict[str, dict[str, float]] = {}
     by_axes: dict[str, dict[str, float]] = {}
-    for r in rows:
-        for table, key in ((by_coll, r.prim), (by_axes, ",".join(r.axes))):
+    counts = np.bincount(pc.comm_inverse, minlength=len(costs)).tolist() if costs else []
+    for (prim, axes, nbytes, _), c, cnt in zip(pc.comm_keys, costs, counts):
+        for table, key in ((by_coll, prim), (by_axes, ",".join(axes))):
             d = table.setdefault(key, {"count": 0, "time_s": 0.0, "bytes": 0})
-            d["count"] += 1
-            d["time_s"] += r.time_s
-            d["bytes"] += r.nbytes
+            d["count"] += cnt
+            d["time_s"] += cnt * c.time_s
+            d["bytes"] += cnt * nbytes
 
     mem = pc.memory
     flops_total = float(pc.flops.sum())
@@ -266,6 +279,12 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
         by_op_kind=by_kind, by_prim=by_prim, by_collective=by_coll, by_axes=by_axes,
         mfu=flops_total / (step_s * spec.flops_bf16_per_s) if step_s > 0 else 0.0, collectives=tuple(rows))
     return report
+
+
+def compute_times(pc: ProgramCosts, spec: HardwareSpec) -> np.ndarray:
+    """Seconds of every equation on one chip of ``spec`` by its roofline (a fresh array; the DES reuses it)."""
+    rates = np.array([spec.flops_bf16_per_s, spec.flops_f32_per_s, spec.vector_flops_per_s])
+    return np.maximum(pc.flops / rates[pc.rate_class], pc.bytes / spec.hbm_bw_bytes_per_s)
 
 
 def _overlap_schedule(times: np.ndarray, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...]

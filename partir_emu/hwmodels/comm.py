@@ -139,19 +139,29 @@ class CommModel:
             c = self._cache[key] = self._compute(kind, axes, nbytes, dtype, requested)
         return c
 
-    def _compute(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str,
-                 requested: str | None) -> CollectiveCost:
+    def schedule(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32"
+                 ) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
+        """The algorithm choice and schedule this model prices for one collective (``None``: no traffic).
+        The DES replays exactly this schedule on every group."""
         group = self.placement.group(axes)
         if group.size == 1 or nbytes == 0:
-            return CollectiveCost(kind, "none", group.size, nbytes, 0.0, 0, 0, 0)
-        choice = choose_algorithm(kind, group, self.placement.topology, requested)
+            return None
+        choice = choose_algorithm(kind, group, self.placement.topology, self.requested(kind))
         isz = dtype_itemsize(dtype)
         if nbytes % isz:
             isz = math.gcd(nbytes, isz)
         sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
                                devices_per_node=choice.devices_per_node)
+        return choice, sched
+
+    def _compute(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str,
+                 requested: str | None) -> CollectiveCost:
+        built = self.schedule(kind, axes, nbytes, dtype)
+        if built is None:
+            return CollectiveCost(kind, "none", self.placement.group(axes).size, nbytes, 0.0, 0, 0, 0)
+        choice, sched = built
         t, nmsg, hops = _price(sched, choice.chips, self.placement.topology)
-        return CollectiveCost(kind, sched.algorithm, group.size, nbytes, t, sched.num_steps, nmsg, hops)
+        return CollectiveCost(kind, sched.algorithm, len(choice.chips), nbytes, t, sched.num_steps, nmsg, hops)
 
 
 _CACHE: dict[tuple, dict[tuple, CollectiveCost]] = {}

@@ -158,6 +158,15 @@ def check_mismatch(comm: MPI.Comm, rank_of, n_dev: int, subcomms: SubcommCache) 
         results.append(False)
     except CollectiveError as e:
         results.append("disagree" in str(e))
+    if me == 0:  # rank 1 never joins this one: rank 0 must time out with a clear error, not hang
+        # (rank 0 only receives here: a send left unmatched would upset MPI_Finalize, and after a real
+        # timeout the runtime aborts anyway)
+        sched = build_schedule("collective_permute", (2,), 64, permutation=((1, 0),))
+        try:
+            run_schedule_mpi(sched, comm, group, rank_of, {0: np.ones(16, np.float32)}, tag_base=80_000, timeout_s=1)
+            results.append(False)
+        except CollectiveError as e:
+            results.append("timed out" in str(e))
     sched = build_schedule("all_reduce", (2,), 64, "ring")  # and the pair still works afterwards
     out = run_schedule_mpi(sched, comm, group, rank_of, {pos: np.full(16, pos + 1, np.float32)},
                            tag_base=90_000, timeout_s=10)

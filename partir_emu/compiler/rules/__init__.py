@@ -11,8 +11,8 @@ rule families live in the sibling modules and register themselves at import.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from partir_emu.compiler.ir import Eqn
 from partir_emu.errors import UnsupportedPrimitiveError
@@ -81,4 +81,8 @@ def rule_for(eqn: Eqn) -> FactorRule:
     return fn(eqn)
 
 
-from partir_emu.compiler.rules import dot, elementwise, gather, reduce, shape  # noqa: E402,F401  (registration)
+import partir_emu.compiler.rules.dot  # noqa: E402,F401  (the rule families register themselves)
+import partir_emu.compiler.rules.elementwise  # noqa: E402,F401
+import partir_emu.compiler.rules.gather  # noqa: E402,F401
+import partir_emu.compiler.rules.reduce  # noqa: E402,F401
+import partir_emu.compiler.rules.shape  # noqa: E402,F401

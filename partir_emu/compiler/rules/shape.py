@@ -30,24 +30,28 @@ def reshape_factors(b: RuleBuilder, ishape, oshape) -> tuple[Dims, Dims]:
     idims: list[list[int]] = [[] for _ in ishape]
     odims: list[list[int]] = [[] for _ in oshape]
     i = o = 0
-    ri = ishape[0] if ishape else 1
+    ri = ishape[0] if ishape else 1     # what is left of input dim i / output dim o
     ro = oshape[0] if oshape else 1
     while i < len(ishape) and o < len(oshape):
-        if ri == 1 and ishape[i] == 1 and not idims[i]:
-            idims[i].append(b.new(1)); i += 1; ri = ishape[i] if i < len(ishape) else 1; continue
-        if ro == 1 and oshape[o] == 1 and not odims[o]:
-            odims[o].append(b.new(1)); o += 1; ro = oshape[o] if o < len(oshape) else 1; continue
-        if ri == ro:
-            f = b.new(ri); idims[i].append(f); odims[o].append(f)
-            i += 1; o += 1
+        if ishape[i] == 1 and not idims[i]:
+            idims[i].append(b.new(1))
+            i += 1
             ri = ishape[i] if i < len(ishape) else 1
+        elif oshape[o] == 1 and not odims[o]:
+            odims[o].append(b.new(1))
+            o += 1
             ro = oshape[o] if o < len(oshape) else 1
-        elif ri % ro == 0:
-            f = b.new(ro); idims[i].append(f); odims[o].append(f)
-            ri //= ro; o += 1; ro = oshape[o] if o < len(oshape) else 1
-        elif ro % ri == 0:
-            f = b.new(ri); idims[i].append(f); odims[o].append(f)
-            ro //= ri; i += 1; ri = ishape[i] if i < len(ishape) else 1
+        elif ri % ro == 0 or ro % ri == 0:
+            f = b.new(min(ri, ro))
+            idims[i].append(f)
+            odims[o].append(f)
+            ri, ro = ri // min(ri, ro), ro // min(ri, ro)
+            if ri == 1:
+                i += 1
+                ri = ishape[i] if i < len(ishape) else 1
+            if ro == 1:
+                o += 1
+                ro = oshape[o] if o < len(oshape) else 1
         else:
             # no contiguous refinement: block the rest of both sides
             for k in range(i, len(ishape)):
@@ -55,12 +59,10 @@ def reshape_factors(b: RuleBuilder, ishape, oshape) -> tuple[Dims, Dims]:
             for k in range(o, len(oshape)):
                 odims[k].append(b.new(ro if k == o else oshape[k], blocked=True))
             i, o = len(ishape), len(oshape)
-    for k in range(i, len(ishape)):   # trailing size-1 dims
-        if not idims[k]:
-            idims[k].append(b.new(1))
-    for k in range(o, len(oshape)):
-        if not odims[k]:
-            odims[k].append(b.new(1))
+    for dims, shape, start in ((idims, ishape, i), (odims, oshape, o)):
+        for k in range(start, len(shape)):   # trailing size-1 dims
+            if not dims[k]:
+                dims[k].append(b.new(1))
     return tuple(tuple(d) for d in idims), tuple(tuple(d) for d in odims)
 
 

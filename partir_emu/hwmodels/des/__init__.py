@@ -1,0 +1,19 @@
+"""The discrete-event (simpy) model of TPU ICI tori and GPU clusters that validates the analytical one.
+
+>>> rep = simulate_des(spmd, "tpu-v4")                  # same inputs as analytical.simulate
+>>> rep.step_s, rep.top_links[0]
+
+Modules: :mod:`.model` (the simulation), :mod:`.device` (op streams, SPMD
+symmetry), :mod:`.collective` (schedules over all groups), :mod:`.network`
+(flow-level max-min), :mod:`.chunked` (store-and-forward), :mod:`.routing`
+(routes, degraded/failed links), :mod:`.trace_export` (Perfetto),
+:mod:`.validate` (analytical vs DES), :mod:`.replay` (MPI message traces),
+:mod:`.cli` (``simulate-des``, ``validate``, ``replay``). Imports neither jax nor mpi4py.
+"""
+from partir_emu.hwmodels.des.model import DesError, DesOptions, Simulation, simulate_des
+from partir_emu.hwmodels.des.network import FlowNetwork, max_min_rates
+from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
+from partir_emu.hwmodels.des.routing import Router, parse_links
+
+__all__ = ["simulate_des", "DesOptions", "DesReport", "DesCollectiveRow", "LinkRow", "DesError", "Simulation",
+           "FlowNetwork", "max_min_rates", "Router", "parse_links"]

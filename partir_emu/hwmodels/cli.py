@@ -1,0 +1,216 @@
+"""``partir-emu simulate`` and ``partir-emu hardware``: the analytical model from the command line.
+
+Registered by :func:`partir_emu.cli._register_extras` through :func:`add_subcommands`.
+Imports neither jax nor the compiler at module level: ``simulate`` lowers the
+scenario (abstract tracing, no arrays) inside the command function, and
+``hardware`` only reads spec files.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from partir_emu.errors import PartirError
+
+
+class HardwareArgumentError(PartirError):
+    """A bad ``simulate``/``hardware`` command-line value (``--algorithm``, ``--slice``)."""
+
+
+def add_subcommands(sub) -> None:
+    from partir_emu.cli import _add_common
+
+    p = sub.add_parser("simulate", help="predict step time and per-device memory on a hardware spec (no arrays)")
+    _add_common(p)
+    p.add_argument("--hardware", default="tpu-v4", help="spec name (see `partir-emu hardware`) or a .toml path "
+                   "(default %(default)s)")
+    p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...",
+                   help="mesh axes onto physical dims, e.g. model=x,batch=yz (GPU: model=gpu,batch=node); "
+                        "default: fill the physical dims in order")
+    p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC",
+                   help="TPU slice shape, e.g. 8x8x8 (default: derived from the mesh / placement)")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap independent compute and communication (two streams)")
+    p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",
+                   help="collective algorithm for every kind (ring, bidir_ring, recursive, torus, hierarchical, "
+                        "direct) or per kind, e.g. all_reduce=ring,all_gather=bidir_ring; default: as the runtime "
+                        "would choose on the placed topology")
+    p.add_argument("--top", type=int, default=10, help="slowest collectives to list (default %(default)s)")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.set_defaults(fn=cmd_simulate)
+
+    p = sub.add_parser("hardware", help="list the hardware specs (or show one with its sources)")
+    p.add_argument("name", nargs="?", default=None, help="show this spec in full, with the source of each number")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(fn=cmd_hardware)
+
+
+# -- simulate -----------------------------------------------------------------------------------------
+def parse_algorithms(text: str | None) -> str | dict[str, str] | None:
+    """``"ring"`` (every kind) or ``"all_reduce=ring,all_gather=bidir_ring"`` (per kind), validated."""
+    if text is None or not text.strip():
+        return None
+    from partir_emu.collectives.algorithms import ALGORITHMS
+    from partir_emu.compiler.spmd import COMM_PRIMS
+
+    def check(alg: str) -> str:
+        if alg not in ALGORITHMS:
+            raise HardwareArgumentError(f"--algorithm: unknown collective algorithm {alg!r}; "
+                                        f"use one of {', '.join(ALGORITHMS)}")
+        return alg
+
+    text = text.strip()
+    if "=" not in text:
+        return check(text)
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, eq, alg = (s.strip() for s in part.partition("="))
+        if not eq:
+            raise HardwareArgumentError(f"--algorithm: item {part!r} is not KIND=ALGORITHM; write e.g. "
+                                        f"all_reduce=ring,all_gather=bidir_ring")
+        if kind not in COMM_PRIMS:
+            raise HardwareArgumentError(f"--algorithm: unknown collective kind {kind!r}; "
+                                        f"kinds are {', '.join(COMM_PRIMS)}")
+        out[kind] = check(alg)
+    return out
+
+
+def parse_slice(text: str | None) -> tuple[int, ...] | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        dims = tuple(int(s) for s in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise HardwareArgumentError(f"--slice {text!r}: write the slice shape as positive integers joined "
+                                    f"by 'x', e.g. 8x8x8")
+    return dims
+
+
+def simulate_experiment(args) -> tuple[dict, object]:
+    """Lower the experiment of ``args`` and simulate it: (JSON report, SimReport)."""
+    import time
+
+    from partir_emu.cli import _experiment
+    from partir_emu.hwmodels.analytical import simulate
+    from partir_emu.hwmodels.placement import place
+    from partir_emu.hwmodels.specs import load_spec
+
+    # cheap checks first: a bad spec, algorithm or slice fails before the (slow) lowering
+    spec = load_spec(args.hardware)
+    algorithms = parse_algorithms(args.algorithm)
+    slice_dims = parse_slice(args.slice_dims)
+    exp = _experiment(args)
+    placement = place(exp.mesh, spec, args.placement, slice_dims)
+    t0 = time.perf_counter()
+    low = exp.lower()
+    t1 = time.perf_counter()
+    sim = simulate(low.spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
+    t2 = time.perf_counter()
+    rep = sim.to_json()
+    rep.update({
+        "scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg,
+        "preset": exp.preset or exp.scenario.default_preset,
+        "params": int(exp.scenario.param_count(exp.cfg)),
+        "mesh": dict(exp.mesh.axes), "devices": exp.mesh.size, "hardware": spec.name, "hardware_path": spec.path,
+        "algorithm": algorithms, "equations": len(low.spmd.program.eqns),
+        "lower_s": t1 - t0, "simulate_s": t2 - t1,
+    })
+    return rep, sim
+
+
+def cmd_simulate(args) -> int:
+    from partir_emu.cli import _write_report
+
+    rep, sim = simulate_experiment(args)
+    _write_report(rep, args.report)
+    size = ",".join(f"{k}={v}" for k, v in rep["size"].items())
+    print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}  "
+          f"[{rep['preset']}: {size}; {rep['params']:,} params]")
+    print(sim.table(top=args.top))
+    print(f"\nMFU {100 * sim.mfu:.1f}%   ({rep['equations']} equations; lowered in {rep['lower_s']:.2f} s, "
+          f"simulated in {1e3 * rep['simulate_s']:.1f} ms)")
+    if args.report:
+        print(f"wrote {args.report}")
+    return 0
+
+
+# -- hardware -----------------------------------------------------------------------------------------
+def _spec_row(spec) -> dict:
+    from partir_emu.hwmodels.specs import TorusSpec
+
+    net = spec.network
+    if isinstance(net, TorusSpec):
+        topo = (f"{len(net.pod_dims)}D torus {'x'.join(map(str, net.pod_dims))}"
+                + (f" of {'x'.join(map(str, net.cube))} cubes" if net.cube else "")
+                + f", wraparound {net.wraparound}")
+        links = f"{net.links_per_chip} x {net.link_bw_bytes_per_s / 1e9:g} GB/s ICI"
+        link_bw = net.link_bw_bytes_per_s
+    else:
+        topo = (f"{net.max_nodes} nodes x {net.gpus_per_node} GPUs, NVSwitch + IB "
+                f"{net.fabric.replace('_', '-')}")
+        links = f"NVLink {net.nvlink_bw_bytes_per_s / 1e9:g} GB/s, NIC {net.nic_bw_bytes_per_s / 1e9:g} GB/s"
+        link_bw = net.nvlink_bw_bytes_per_s
+    return {"name": spec.name, "kind": spec.kind, "max_chips": net.max_chips, "topology": topo,
+            "flops_bf16_per_s": spec.flops_bf16_per_s, "hbm_bytes": spec.hbm_bytes,
+            "hbm_bw_bytes_per_s": spec.hbm_bw_bytes_per_s, "link_bw_bytes_per_s": link_bw, "links": links,
+            "path": spec.path}
+
+
+def cmd_hardware(args) -> int:
+    from partir_emu.hwmodels.specs import list_specs, load_spec
+
+    if args.name is not None:
+        spec = load_spec(args.name)
+        d = spec.to_json()
+        d["sources"] = dict(spec.sources)
+        if args.json:
+            print(json.dumps(d, indent=2, sort_keys=True))
+            return 0
+        row = _spec_row(spec)
+        print(f"{spec.name} ({spec.kind}): {spec.description}")
+        print(f"  file: {spec.path}")
+        print(f"  up to {row['max_chips']} chips: {row['topology']}")
+        flat = {k: v for k, v in d.items() if k not in ("network", "sources", "path", "name", "kind")}
+        flat.update(d["network"])
+        for k, v in flat.items():
+            src = spec.sources.get(k)
+            print(f"  {k:<24}{_fmt(v):>16}" + (f"   # {src}" if src else ""))
+        return 0
+
+    rows, errors = [], []
+    for name in list_specs():
+        try:
+            rows.append(_spec_row(load_spec(name)))
+        except PartirError as exc:        # one bad user file does not hide the others
+            errors.append(str(exc))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'name':<10}{'kind':<5}{'chips':>7}  {'bf16 TFLOP/s':>12}{'HBM GiB':>9}{'HBM GB/s':>10}"
+              f"{'link GB/s':>11}  topology; links")
+        for r in rows:
+            print(f"{r['name']:<10}{r['kind']:<5}{r['max_chips']:>7}  {r['flops_bf16_per_s'] / 1e12:>12g}"
+                  f"{r['hbm_bytes'] / 2**30:>9.1f}{r['hbm_bw_bytes_per_s'] / 1e9:>10g}"
+                  f"{r['link_bw_bytes_per_s'] / 1e9:>11g}  {r['topology']}; {r['links']}")
+        print("link GB/s: one way, per ICI link (TPU) or NVLink per GPU (GPU)")
+    if errors:
+        for e in errors:
+            print(f"partir-emu hardware: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return "x".join(map(str, v))
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 10**6:
+        return f"{v:,}"
+    return str(v)
+
+
+__all__ = ["add_subcommands", "cmd_simulate", "cmd_hardware", "parse_algorithms", "parse_slice",
+           "simulate_experiment", "HardwareArgumentError"]

@@ -1,0 +1,210 @@
+"""Devices: the op stream each device executes, as simpy processes.
+
+A device runs its SpmdProgram as a *compute stream* (compute equations in
+program order, each taking its roofline time from the analytical model's cost
+rules) and one or more *communication streams* (the collectives, in program
+order). The op stream is compiled once into a list of actions:
+
+``Compute(dur)``   a run of compute equations with nothing in between that talks to a collective
+``Ready(c)``       the input of collective ``c`` is computed: one of the prerequisites of its gate
+``Wait(c)``        the next equation reads the output of collective ``c`` (or the step ends)
+
+Without overlap a collective is ``Ready(c), Wait(c)`` at its place in the program
+(everything sequential, as ``analytical.simulate(overlap=False)``). With overlap
+the compute stream runs ahead and only waits where it reads a collective's output,
+like the analytical overlap schedule. A collective's **gate** opens for a device
+when all its prerequisites have fired there: its ``Ready``, the collectives that
+produce its input, and the collective ``comm_streams`` places earlier (a stream
+runs one collective at a time).
+
+**SPMD symmetry.** Every device runs the same program with the same local shapes,
+so devices whose timelines are identical need not be simulated one by one: a
+:class:`Walker` process runs the op stream for a *set* of devices (an
+equivalence class: same compute speed, same arrival times). At a ``Wait`` the
+class splits if its devices' collective finished at different times, and devices
+released at the same time with the same speed are merged again into one walker.
+A straggler (a device with a slow-down factor) starts in a class of its own. The
+collectives themselves are always simulated for every device on the network.
+With ``symmetry=False`` every device is its own process (a test holds the two equal).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from partir_emu.compiler.ir import Program, Var
+
+if TYPE_CHECKING:
+    from partir_emu.hwmodels.des.model import Simulation
+
+COMPUTE, READY, WAIT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: int
+    coll: int = -1            # READY / WAIT: collective position (0..C-1)
+    dur: float = 0.0          # COMPUTE: seconds on a device of speed factor 1
+    first: int = -1           # COMPUTE: equation range [first, last]
+    last: int = -1
+    name: str = ""            # COMPUTE: what dominates it (for the trace)
+
+
+@dataclass(frozen=True)
+class OpStream:
+    actions: tuple[Action, ...]
+    comm_eqns: tuple[int, ...]                 # equation index of collective c
+    prereqs: tuple[tuple[int, ...], ...]       # per collective: collectives its gate waits for
+
+
+def compile_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, overlap: bool,
+                   comm_streams: int = 1) -> OpStream:
+    """The actions of one device's op stream (see the module docstring)."""
+    eqns = program.eqns
+    comm_eqns = tuple(int(i) for i in np.flatnonzero(is_comm))
+    cpos = {e: c for c, e in enumerate(comm_eqns)}
+    producer: dict[int, int] = {}
+    compute_prod = [-1] * len(comm_eqns)       # last compute equation producing c's inputs
+    coll_prods: list[set[int]] = [set() for _ in comm_eqns]
+    reads: list[list[int]] = [[] for _ in eqns]   # collectives each compute equation reads
+    for i, e in enumerate(eqns):
+        prods = [producer[a.id] for a in e.inputs if type(a) is Var and a.id in producer]
+        if i in cpos:
+            c = cpos[i]
+            for j in prods:
+                if j in cpos:
+                    coll_prods[c].add(cpos[j])
+                else:
+                    compute_prod[c] = max(compute_prod[c], j)
+        else:
+            reads[i] = sorted({cpos[j] for j in prods if j in cpos})
+        for o in e.outputs:
+            producer[o.id] = i
+    prereqs = []
+    for c in range(len(comm_eqns)):
+        pre = set(coll_prods[c])
+        if c >= comm_streams:
+            pre.add(c - comm_streams)
+        prereqs.append(tuple(sorted(pre)))
+
+    acts: list[Action] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            ts = times[run]
+            name = eqns[run[int(np.argmax(ts))]].prim if len(run) else ""
+            acts.append(Action(COMPUTE, dur=float(ts.sum()), first=run[0], last=run[-1],
+                               name=name if len(run) == 1 else f"{name}+{len(run) - 1}"))
+            run.clear()
+
+    if not overlap:
+        for i in range(len(eqns)):
+            if i in cpos:
+                flush()
+                acts += [Action(READY, cpos[i]), Action(WAIT, cpos[i])]
+            else:
+                run.append(i)
+        flush()
+        return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
+
+    ready_after: dict[int, list[int]] = {}
+    for c, j in enumerate(compute_prod):
+        ready_after.setdefault(j, []).append(c)
+    waited: set[int] = set()
+    acts += [Action(READY, c) for c in ready_after.get(-1, [])]
+    for i in range(len(eqns)):
+        if i in cpos:
+            continue
+        need = [c for c in reads[i] if c not in waited]
+        if need:
+            flush()
+            for c in need:
+                acts.append(Action(WAIT, c))
+                waited.add(c)
+        run.append(i)
+        if i in ready_after:
+            flush()
+            acts += [Action(READY, c) for c in ready_after[i]]
+    flush()
+    acts += [Action(WAIT, c) for c in range(len(comm_eqns)) if c not in waited]
+    return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
+
+
+class Gate:
+    """Opens collective ``c`` for a device once all its prerequisites fired there."""
+
+    def __init__(self, sim: Simulation, c: int, n_prereqs: int) -> None:
+        self.sim = sim
+        self.c = c
+        self.need = np.full(sim.num_devices, n_prereqs + 1, dtype=np.int32)    # + its own Ready
+
+    def fire(self, devices: np.ndarray, t: float) -> None:
+        need = self.need
+        need[devices] -= 1
+        opened = devices[need[devices] == 0]
+        if opened.size:
+            self.sim.open_collective(self.c, opened, t)
+
+
+class WaitPoint:
+    """Where the compute stream reads collective ``c``: devices wait here until ``c`` is done for them.
+    Devices released at the same time with the same speed continue as one walker."""
+
+    def __init__(self, sim: Simulation, c: int, resume_at: int) -> None:
+        self.sim = sim
+        self.c = c
+        self.resume_at = resume_at
+        self.pending: dict[float, np.ndarray] = {}      # speed factor -> bool mask over devices
+
+    def arrive(self, devices: np.ndarray, factor: float) -> np.ndarray:
+        """``devices`` reach the wait now: returns those whose collective is done (they go on)."""
+        done = self.sim.coll_done[self.c][devices]
+        if done.all():
+            return devices
+        mask = self.pending.get(factor)
+        if mask is None:
+            mask = self.pending[factor] = np.zeros(self.sim.num_devices, dtype=bool)
+        mask[devices[~done]] = True
+        return devices[done]
+
+    def release(self, devices: np.ndarray) -> None:
+        for factor, mask in self.pending.items():
+            sel = devices[mask[devices]]
+            if sel.size:
+                mask[sel] = False
+                self.sim.spawn(sel, factor, self.resume_at)
+
+
+class Walker:
+    """A simpy process running the op stream from action ``pos`` for a set of devices of one speed."""
+
+    def __init__(self, sim: Simulation, devices: np.ndarray, factor: float, pos: int) -> None:
+        self.sim = sim
+        self.devices = devices
+        self.factor = factor
+        self.pos = pos
+
+    def run(self):
+        sim = self.sim
+        env = sim.env
+        acts = sim.stream.actions
+        devices, factor = self.devices, self.factor
+        rec = sim.recorder
+        for pos in range(self.pos, len(acts)):
+            a = acts[pos]
+            if a.kind == COMPUTE:
+                if a.dur > 0:
+                    t0 = env.now
+                    yield env.timeout(a.dur * factor)
+                    if rec is not None:
+                        rec.compute(devices, t0, env.now, a)
+            elif a.kind == READY:
+                sim.gates[a.coll].fire(devices, env.now)
+            else:
+                devices = sim.wait_points[a.coll].arrive(devices, factor)
+                if not devices.size:
+                    return
+        sim.device_end[devices] = env.now

@@ -1,0 +1,291 @@
+"""The discrete-event model of one training step: devices, collectives and the network in simpy.
+
+``simulate_des(spmd, spec)`` answers the question ``analytical.simulate`` answers,
+from the same inputs and the same costs, one level finer:
+
+- **compute**: each device runs its op stream (:mod:`.device`); an equation
+  takes exactly the analytical roofline time (``analytical.compute_times``);
+- **collectives**: each expands into the schedule the analytical model prices
+  (``CommModel.schedule``, algorithm from ``choose_algorithm``), run by *every*
+  group of the collective at once (:mod:`.collective`);
+- **network**: every message is routed over directed links (``Topology.route``,
+  detours around failed links) and shares them with every other message in
+  flight — of the other groups, of other collectives — by max-min fair rates
+  (:mod:`.network`; ``network="chunk"`` for store-and-forward chunks).
+
+Where nothing contends the DES reproduces the analytical closed forms; where
+links are shared (concurrent groups of a collective, an axis placed over
+several or partial physical dims, several communication streams, degraded or
+failed links), compute and communication overlap, or one device is slow, it
+shows what the closed form cannot. See :mod:`.device` for the SPMD-symmetry
+shortcut that keeps a 4096-chip step cheap.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import simpy
+
+from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.errors import PartirError
+from partir_emu.hwmodels.analytical import analyze, compute_times
+from partir_emu.hwmodels.comm import CommModel
+from partir_emu.hwmodels.des.chunked import ChunkNetwork
+from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, StepPlan, make_groups, step_plans
+from partir_emu.hwmodels.des.device import WAIT, Gate, OpStream, WaitPoint, Walker, compile_stream
+from partir_emu.hwmodels.des.network import FlowNetwork
+from partir_emu.hwmodels.des.progress import Progress
+from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
+from partir_emu.hwmodels.des.routing import Router, link_factors
+from partir_emu.hwmodels.des.trace_export import Recorder
+from partir_emu.hwmodels.placement import Placement, place
+from partir_emu.hwmodels.specs import HardwareSpec, load_spec
+
+NETWORKS = ("flow", "chunk")
+
+
+class DesError(PartirError):
+    """A bad DES option (straggler, link, network kind) or an inconsistent run."""
+
+
+@dataclass(frozen=True)
+class DesOptions:
+    """Knobs of the DES beyond what the analytical model takes.
+
+    ``stragglers``: ``{device: factor}``, that device's compute takes ``factor`` × as long.
+    ``degraded_links``: ``{"A->B" | "A-B" | "#id": factor}`` bandwidth factors (``A-B``: both
+    directions). ``failed_links``: links that carry nothing (routes detour around them).
+    ``comm_streams``: collectives a device runs at once (1 = as the analytical overlap model).
+    ``message_overhead_s``: a sender posts its messages of a step one after another, this long each.
+    ``symmetry=False`` simulates every device as its own process (same result, slower).
+    """
+
+    network: str = "flow"
+    chunk_bytes: int = 1 << 20
+    comm_streams: int = 1
+    stragglers: Mapping[int, float] = field(default_factory=dict)
+    degraded_links: Mapping[str, float] = field(default_factory=dict)
+    failed_links: tuple[str, ...] = ()
+    message_overhead_s: float = 0.0
+    symmetry: bool = True
+    trace: bool = False
+    trace_devices: int = 8
+    progress: bool | None = False          # None: when stderr is a terminal
+    top_links: int = 20
+
+    def __post_init__(self) -> None:
+        if self.network not in NETWORKS:
+            raise DesError(f"unknown DES network {self.network!r}; use one of {', '.join(NETWORKS)}")
+        if int(self.chunk_bytes) < 1:
+            raise DesError(f"chunk_bytes={self.chunk_bytes} must be a positive number of bytes")
+        if int(self.comm_streams) < 1:
+            raise DesError(f"comm_streams={self.comm_streams} must be at least 1")
+        if self.message_overhead_s < 0:
+            raise DesError(f"message_overhead_s={self.message_overhead_s} must be >= 0")
+        for d, f in self.stragglers.items():
+            if not (isinstance(d, int) and d >= 0) or not f > 0:
+                raise DesError(f"straggler {d}:{f}: give a device number >= 0 and a slow-down factor > 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"network": self.network, "chunk_bytes": self.chunk_bytes, "comm_streams": self.comm_streams,
+                "stragglers": {str(k): v for k, v in self.stragglers.items()},
+                "degraded_links": dict(self.degraded_links), "failed_links": list(self.failed_links),
+                "message_overhead_s": self.message_overhead_s, "symmetry": self.symmetry}
+
+
+class Simulation:
+    """One step of ``spmd`` on a placement: build with the inputs, then :meth:`run`."""
+
+    def __init__(self, spmd: SpmdProgram, spec: HardwareSpec, placement: Placement, overlap: bool,
+                 algorithms: str | dict[str, str] | None, options: DesOptions) -> None:
+        self.spmd = spmd
+        self.spec = spec
+        self.placement = placement
+        self.overlap = overlap
+        self.options = options
+        self.num_devices = n = spmd.mesh.size
+        bad = [d for d in options.stragglers if d >= n]
+        if bad:
+            raise DesError(f"straggler device {bad[0]} is not in {spmd.mesh} (devices 0..{n - 1})")
+        self.env = simpy.Environment()
+        topo = placement.topology
+        try:
+            factors = link_factors(topo, options.degraded_links, options.failed_links)
+        except PartirError as exc:
+            raise DesError(str(exc)) from None
+        self.router = Router(topo, factors)
+        pc = analyze(spmd.program)
+        self.times = compute_times(pc, spec)
+        is_comm = np.zeros(len(self.times), dtype=bool)
+        is_comm[[c[0] for c in pc.comm]] = True
+        self.comm = pc.comm                                     # (index, prim, axes, nbytes, dtype)
+        self.stream: OpStream = compile_stream(spmd.program, is_comm, self.times, overlap, options.comm_streams)
+        C = len(self.comm)
+        self.comm_model = CommModel(placement, algorithms)
+        self.factor = np.ones(n)
+        for d, f in options.stragglers.items():
+            self.factor[d] = f
+        self.recorder = None
+        if options.trace:
+            devs = list(range(min(n, options.trace_devices))) + list(options.stragglers)
+            chips = {placement.chip_of(d) for d in devs}
+            links = [lk.id for lk in topo.links if lk.src in chips or lk.dst in chips] + list(factors)
+            self.recorder = Recorder(devs, links, n, self.router.bw)
+        if options.network == "flow":
+            self.network: Any = FlowNetwork(self.env, self.router, self.recorder)
+        else:
+            self.network = ChunkNetwork(self.env, self.router, options.chunk_bytes, self.recorder)
+        self.gates = [Gate(self, c, len(self.stream.prereqs[c])) for c in range(C)]
+        self.dependents: list[list[int]] = [[] for _ in range(C)]
+        for c, pre in enumerate(self.stream.prereqs):
+            for q in pre:
+                self.dependents[q].append(c)
+        self.wait_points: dict[int, WaitPoint] = {
+            a.coll: WaitPoint(self, a.coll, pos + 1) for pos, a in enumerate(self.stream.actions) if a.kind == WAIT}
+        self.coll_done = [np.zeros(n, dtype=bool) for _ in range(C)]
+        self.runs: list[CollectiveRun | None] = [None] * C
+        self.device_end = np.full(n, np.nan)
+        self._groups: dict[tuple[str, ...], Groups] = {}
+        self._plans: dict[tuple, tuple[Any, list[StepPlan]]] = {}
+        self.walkers = 0
+        self.colls_finished = 0
+        self.step_s = float("nan")
+        self.events = 0
+        self.wall_s = 0.0
+
+    # -- wiring called by gates, walkers and collectives ---------------------------------------------
+    def spawn(self, devices: np.ndarray, factor: float, pos: int) -> None:
+        if self.options.symmetry:
+            self.walkers += 1
+            self.env.process(Walker(self, devices, factor, pos).run())
+            return
+        for d in devices.tolist():
+            self.walkers += 1
+            self.env.process(Walker(self, np.array([d]), factor, pos).run())
+
+    def open_collective(self, c: int, devices: np.ndarray, t: float) -> None:
+        run = self.runs[c]
+        if run is None:
+            run = self.runs[c] = self._make_run(c)
+        run.start(devices, t)
+
+    def collective_done(self, run: CollectiveRun, devices: np.ndarray, t: float) -> None:
+        c = run.ci
+        self.coll_done[c][devices] = True
+        for q in self.dependents[c]:
+            self.gates[q].fire(devices, t)
+        self.wait_points[c].release(devices)
+        if run.finished == run.M:
+            self.colls_finished += 1
+
+    def _make_run(self, c: int) -> CollectiveRun:
+        index, prim, axes, nbytes, dtype = self.comm[c]
+        groups = self._groups.get(axes)
+        if groups is None:
+            groups = self._groups[axes] = make_groups(self.placement, axes)
+        built = self.comm_model.schedule(prim, axes, nbytes, dtype)
+        if built is None:
+            return CollectiveRun(self, c, index, prim, axes, nbytes, "none", groups, [])
+        choice, sched = built
+        assert tuple(groups.chips[0].tolist()) == tuple(choice.chips), (axes, choice.chips)
+        key = (axes, id(sched))
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = (sched, step_plans(sched, groups, self.router))
+        return CollectiveRun(self, c, index, prim, axes, nbytes, sched.algorithm, groups, hit[1])
+
+    # -- running ------------------------------------------------------------------------------------
+    def run(self) -> DesReport:
+        t0 = time.perf_counter()
+        for f in np.unique(self.factor).tolist():
+            self.spawn(np.flatnonzero(self.factor == f), f, 0)
+        C = len(self.comm)
+        bar = Progress(C, "DES", self.options.progress)
+        env = self.env
+        step = env.step
+        n = 0
+        try:
+            while True:
+                step()
+                n += 1
+                if not n & 0x3FF and bar.enabled:
+                    bar.update(self.colls_finished, f"collectives, t={env.now * 1e3:.3f} ms")
+        except simpy.core.EmptySchedule:
+            pass
+        bar.close(self.colls_finished, f"collectives, t={env.now * 1e3:.3f} ms")
+        self.events = n
+        self.wall_s = time.perf_counter() - t0
+        if np.isnan(self.device_end).any():
+            stuck = int(np.flatnonzero(np.isnan(self.device_end))[0])
+            raise DesError(f"DES deadlock: device {stuck} never finished the step (an internal error; "
+                           f"{self.colls_finished} of {C} collectives completed)")
+        self.step_s = float(self.device_end.max())
+        return self.report()
+
+    def report(self) -> DesReport:
+        spec, placement, topo = self.spec, self.placement, self.placement.topology
+        step = self.step_s
+        rows = []
+        comm0 = 0.0
+        for run in self.runs:
+            assert run is not None
+            m0 = int(run.groups.member_of_device[0])
+            t0, t1 = float(run.t_start[m0]), float(run.t_end[m0])
+            comm0 += t1 - t0
+            dur = float(np.max(run.t_end - run.t_start))
+            rows.append(DesCollectiveRow(run.index, run.prim, run.axes, run.nbytes, run.groups.p, run.algorithm,
+                                         run.num_steps, t0, t1, dur, run.max_flows, run.max_own, run.group_max,
+                                         str(topo.links[run.worst_link]) if run.worst_link >= 0 else ""))
+        compute0 = float(sum(a.dur for a in self.stream.actions if a.kind == 0)) * float(self.factor[0])
+        net = self.network
+        bw = self.router.bw
+        with np.errstate(divide="ignore", invalid="ignore"):
+            util = np.where(bw > 0, net.link_bytes / (bw * step), 0.0) if step > 0 else np.zeros(len(bw))
+        used = net.link_bytes > 0
+        order = np.argsort(-net.link_bytes, kind="stable")[:self.options.top_links]
+        links = tuple(LinkRow(int(i), str(topo.links[i]), topo.links[i].kind, float(net.link_bytes[i]),
+                              float(util[i]), int(net.link_max_flows[i]), self.router.factors.get(int(i), 1.0))
+                      for i in order if used[i])
+        return DesReport(
+            spec=spec.name, topology=topo.describe(), placement=placement.describe(), mesh=str(self.spmd.mesh),
+            num_devices=self.num_devices, overlap=self.overlap, network=net.kind, step_s=step,
+            compute_s=compute0, comm_s=comm0, exposed_comm_s=step - compute0,
+            device_end_min_s=float(self.device_end.min()), device_end_max_s=float(self.device_end.max()),
+            mean_link_utilization=float(util[used].mean()) if used.any() else 0.0,
+            max_link_utilization=float(util.max()) if len(util) else 0.0,
+            links_used=int(used.sum()), num_links=len(bw), events=self.events, wall_s=self.wall_s,
+            flows=int(net.flows), walkers=self.walkers, options=self.options.to_json(),
+            faults=tuple(self.router.describe_faults()), rerouted_routes=len(self.router.rerouted),
+            collectives=tuple(rows), top_links=links, link_utilization=tuple(util.tolist()))
+
+    def chrome_trace(self) -> dict[str, Any]:
+        if self.recorder is None:
+            raise DesError("the simulation was run without trace=True; there is no trace to export")
+        return self.recorder.chrome_trace(self)
+
+
+def simulate_des(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
+                 overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
+                 slice_dims: tuple[int, ...] | None = None, options: DesOptions | None = None,
+                 trace_path: str | None = None, **kw: Any) -> DesReport:
+    """Simulate one step of ``spmd`` on ``spec`` hardware; same arguments as ``analytical.simulate``
+    plus :class:`DesOptions` (or its fields as keywords). ``trace_path`` writes a Perfetto trace."""
+    spec = load_spec(spec)
+    if options is None:
+        options = DesOptions(**kw)
+    elif kw:
+        raise DesError(f"pass DES options either as options= or as keywords, not both ({', '.join(kw)})")
+    if trace_path is not None and not options.trace:
+        options = DesOptions(**{**options.__dict__, "trace": True})
+    if not isinstance(placement, Placement):
+        placement = place(spmd.mesh, spec, placement, slice_dims)
+    sim = Simulation(spmd, spec, placement, overlap, algorithms, options)
+    rep = sim.run()
+    if trace_path is not None:
+        from partir_emu.hwmodels.des.trace_export import write_chrome_trace
+        write_chrome_trace(sim.chrome_trace(), trace_path)
+    return rep

@@ -1,0 +1,434 @@
+"""The MPI mesh: ``R`` ranks × ``k`` devices per rank, real MPI traffic for every collective.
+
+Placement: rank ``r`` hosts devices ``[r*k, (r+1)*k)``. Devices are numbered
+row-major over the mesh axes (:class:`~partir_emu.compiler.mesh.Mesh`), so the
+minor axes are rank-local: with ``Mesh(batch=4, model=2)`` and ``k=2`` every
+``model`` collective is a set of in-rank copies and every ``batch`` collective
+crosses ranks.
+
+A rank runs its ``k`` devices in lockstep with :func:`engine.run_spmd`; the
+collective callback handles every group ``mesh.groups(axes)`` (group order =
+mesh-coordinate order, as in :class:`~partir_emu.runtime.local_mesh.LocalMesh`)
+that contains a local device:
+
+- schedule algorithms (``ring``, ``bidir_ring``, ``recursive``, ``torus``,
+  ``hierarchical``): the operand's collective dim is moved to the front and
+  flattened (exactly as ``local_mesh.scheduled_collective`` does), the
+  schedule of :mod:`partir_emu.collectives.algorithms` runs through
+  :func:`partir_emu.collectives.mpi.run_schedules_mpi` (all groups of one
+  collective at once; transfers between devices of one rank are copies, the
+  others MPI messages), and the result is restored. The arithmetic and its
+  order are the schedule's, so the outputs equal LocalMesh's with the same
+  algorithm **bit for bit**;
+- ``native``: :func:`partir_emu.collectives.mpi.run_native_mpi` (the MPI
+  library's own collective on a cached sub-communicator of the group's
+  ranks); equal to LocalMesh up to rounding.
+
+Before each communicating collective every rank takes part in one tiny
+``Iallreduce`` (MAX over ``[sig, -sig]``, i.e. max and min at once) of a
+signature ``(sequence number, eqn index, prim, dtype, shape, axes, params)``:
+ranks that disagree (a different program, a skipped collective, a different
+shape) stop with a :class:`CollectiveError` naming the op instead of hanging.
+
+Waiting never blocks inside MPI (MPICH busy-polls, which starves the other
+ranks on a small box): non-blocking calls + ``Test`` + a short sleep.
+Only buffer-based (uppercase) mpi4py calls are used; nothing is pickled.
+
+**Message trace.** With ``trace=True`` every transfer the schedule executor
+performs is recorded as a row ``(coll, step, src, dst, bytes)`` (``coll`` =
+equation index of the collective in the SPMD program, ``step`` = schedule
+step, ``src``/``dst`` = global device ids, ``bytes`` = payload); rows are
+recorded by the rank hosting ``src`` (in-rank copies included) and gathered to
+rank 0 with :meth:`MpiMesh.gather_trace`. Native collectives move data inside
+the MPI library: they record no rows. The file format is in
+:mod:`partir_emu.runtime.worker`.
+
+This module imports mpi4py (which initializes MPI) but never jax.
+"""
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
+from partir_emu.collectives.mpi import SubcommCache, run_native_mpi, run_schedules_mpi
+from partir_emu.compiler.ir import Eqn
+from partir_emu.compiler.mesh import Mesh
+from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.errors import CollectiveError, EmulationError, MeshError
+from partir_emu.runtime.engine import EngineResult, run_spmd
+from partir_emu.runtime.layout import shard, unshard
+from partir_emu.runtime.local_mesh import direct_collective
+
+MPI_ALGORITHMS: tuple[str, ...] = ALGORITHMS + ("native",)
+POLL_S = 0.0005
+
+
+def wait_all(reqs: Sequence[MPI.Request], timeout_s: float | None, what: Callable[[], str] | str) -> None:
+    """Complete ``reqs`` by ``Test`` + short sleeps (never a busy-polling blocking wait)."""
+    reqs = list(reqs)
+    if not reqs:
+        return
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not MPI.Request.Testall(reqs):
+        if deadline is not None and time.monotonic() > deadline:
+            w = what() if callable(what) else what
+            raise EmulationError(f"timed out after {timeout_s:g} s waiting for {w}: a rank is missing or stuck")
+        time.sleep(POLL_S)
+
+
+def short_source(source: str) -> str:
+    """``'... at /x/y/transformer.py:164:12 (fn)'`` → ``'transformer.py:164'``."""
+    m = re.findall(r"([^\s/]+\.py):(\d+)", source or "")
+    return f"{m[-1][0]}:{m[-1][1]}" if m else (source or "?")
+
+
+def describe_op(index: int | None, eqn: Eqn | None) -> str:
+    """``'op 12 (all_reduce at mlp.py:103)'`` for error messages."""
+    if index is None or eqn is None:
+        return "op -"
+    return f"op {index} ({eqn.prim} at {short_source(eqn.source)})"
+
+
+def device_str(devices: Sequence[int]) -> str:
+    devices = list(devices)
+    if len(devices) == 1:
+        return f"device {devices[0]}"
+    if devices == list(range(devices[0], devices[0] + len(devices))):
+        return f"devices {devices[0]}-{devices[-1]}"
+    return "devices " + ",".join(map(str, devices))
+
+
+# -- operand layout (the dim the collective works on goes in front, then flat) ----------------
+def flatten_operand(kind: str, x: np.ndarray, *, dim: int = 0, split_dim: int = 0,
+                    **_: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The flat buffer a schedule works on, and the moved shape to restore from."""
+    front = {"all_gather": dim, "reduce_scatter": dim, "all_to_all": split_dim}.get(kind, 0)
+    moved = np.moveaxis(x, front, 0) if x.ndim else x
+    return np.ascontiguousarray(moved).ravel(), moved.shape
+
+
+def restore_result(kind: str, r: np.ndarray, x_shape: tuple[int, ...], mshape: tuple[int, ...], p: int,
+                   dtype: np.dtype, *, dim: int = 0, split_dim: int = 0, concat_dim: int = 0,
+                   **_: Any) -> np.ndarray:
+    """Inverse of :func:`flatten_operand` for the collective's result (LocalMesh's layout)."""
+    r = r.astype(dtype, copy=False)
+    if kind == "all_reduce":
+        return r.reshape(x_shape)
+    if kind == "all_gather":
+        return np.moveaxis(r.reshape((p * mshape[0],) + mshape[1:]), 0, dim)
+    if kind == "reduce_scatter":
+        return np.moveaxis(r.reshape((mshape[0] // p,) + mshape[1:]), 0, dim)
+    if kind == "all_to_all":
+        # member j received block j of every member, in group order: (p, s/p, *rest), split_dim in front
+        t = np.moveaxis(r.reshape((p, mshape[0] // p) + mshape[1:]), 1, 1 + split_dim)
+        t = np.moveaxis(t, 0, concat_dim)
+        shape = list(t.shape)
+        shape[concat_dim:concat_dim + 2] = [shape[concat_dim] * shape[concat_dim + 1]]
+        return t.reshape(shape)
+    raise CollectiveError(f"unknown collective {kind!r}")
+
+
+# -- where a failure happened --------------------------------------------------------------
+@dataclass
+class OpContext:
+    """What a rank is doing, for error messages and progress reports."""
+
+    index: int | None = None
+    eqn: Eqn | None = None
+    devices: tuple[int, ...] = ()
+    seq: int = -1
+
+    def describe(self) -> str:
+        return f"{device_str(self.devices)} {describe_op(self.index, self.eqn)}" if self.devices else \
+            describe_op(self.index, self.eqn)
+
+
+def locate_in_engine(exc: BaseException) -> tuple[int | None, Eqn | None, int | None]:
+    """``(eqn index, eqn, device)`` of the equation :func:`engine.run_spmd` was evaluating when
+    ``exc`` was raised (read from the traceback's frames), or Nones."""
+    index = eqn = device = None
+    tb = exc.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        if f.f_code.co_filename.endswith("engine.py"):
+            loc = f.f_locals
+            if f.f_code.co_name == "run_spmd":
+                index, eqn = loc.get("i", index), loc.get("eqn", eqn)
+                if isinstance(loc.get("d"), int) and device is None:
+                    device = loc["d"]
+            elif isinstance(loc.get("d"), int):      # the per-device comprehension
+                device = loc["d"]
+        tb = tb.tb_next
+    if not isinstance(eqn, Eqn):
+        index = eqn = None
+    return index, eqn, device
+
+
+# -- the mesh -------------------------------------------------------------------------------
+_PRIM_CODE = {p: i for i, p in enumerate(COMM_PRIMS)}
+
+
+class MpiMesh:
+    """This rank's share of an ``R × k`` device mesh over ``comm`` (``R = comm.Get_size()``).
+
+    ``progress(context)`` is called at each communicating collective; ``fault`` is the
+    test hook :class:`FaultSpec`.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, mesh: Mesh, devices_per_rank: int, algorithm: str = "ring", *,
+                 devices_per_node: int | None = None, check: bool = True, timeout_s: float | None = 300.0,
+                 trace: bool = False, progress: Callable[[OpContext], None] | None = None,
+                 fault: FaultSpec | None = None) -> None:
+        if algorithm not in MPI_ALGORITHMS:
+            raise CollectiveError(f"unknown collective algorithm {algorithm!r} for the MPI mesh; "
+                                  f"use one of {MPI_ALGORITHMS}")
+        k = int(devices_per_rank)
+        nranks = comm.Get_size()
+        if k < 1 or nranks * k != mesh.size:
+            raise MeshError(f"{mesh} has {mesh.size} devices but {nranks} ranks × {k} devices per rank = "
+                            f"{nranks * k}; launch {mesh.size // k if k >= 1 and mesh.size % k == 0 else '?'} "
+                            f"ranks, or set --devices-per-rank {mesh.size // nranks if mesh.size % nranks == 0 else '?'}")
+        self.comm, self.mesh, self.k, self.algorithm = comm, mesh, k, algorithm
+        self.rank, self.nranks = comm.Get_rank(), nranks
+        self.devices = tuple(range(self.rank * k, (self.rank + 1) * k))
+        self.devices_per_node, self.check, self.timeout_s = devices_per_node, check, timeout_s
+        self.tracing = trace
+        self.progress, self.fault = progress, fault
+        self.context = OpContext(devices=self.devices)
+        self.subcomms = SubcommCache(comm) if algorithm == "native" else None
+        self._groups: dict[tuple[str, ...], list[list[int]]] = {}
+        self._trace_parts: list[np.ndarray] = []
+        self._eqn_index: dict[int, int] = {}
+        self._seq = 0
+        self._tag = 0
+
+    def rank_of(self, device: int) -> int:
+        return device // self.k
+
+    def local_groups(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """The groups over ``axes`` that contain a device of this rank (in mesh.groups order)."""
+        g = self._groups.get(axes)
+        if g is None:
+            lo, hi = self.devices[0], self.devices[-1]
+            g = [grp for grp in self.mesh.groups(axes) if any(lo <= d <= hi for d in grp)]
+            self._groups[axes] = g
+        return g
+
+    # -- inputs / outputs ------------------------------------------------------------------
+    def shard_inputs(self, spmd: SpmdProgram, global_inputs: Sequence[np.ndarray]) -> dict[int, list[np.ndarray]]:
+        """This rank's devices' input blocks, cut from the global inputs."""
+        return {d: [shard(x, s, self.mesh, d, name)
+                    for x, s, name in zip(global_inputs, spmd.in_shardings, spmd.input_names)]
+                for d in self.devices}
+
+    def run(self, spmd: SpmdProgram, local_inputs: Mapping[int, Sequence[np.ndarray]]) -> EngineResult:
+        """Run ``spmd`` on this rank's devices (every rank of ``comm`` must call this)."""
+        if spmd.mesh != self.mesh:
+            raise MeshError(f"the SPMD program was lowered for {spmd.mesh} but this MpiMesh is {self.mesh}")
+        self._eqn_index = {id(e): i for i, e in enumerate(spmd.program.eqns)}
+        self._seq = 0
+        return run_spmd(spmd, self.devices, local_inputs, self._collective)
+
+    def gather_outputs(self, spmd: SpmdProgram, result: EngineResult) -> tuple[list[np.ndarray] | None, list[int] | None]:
+        """Global outputs and per-device peak bytes on rank 0 (``(None, None)`` elsewhere)."""
+        mine = [[np.asarray(result.outputs[d][j]) for d in self.devices]
+                for j in range(len(spmd.output_names))]
+        send = np.concatenate([np.ascontiguousarray(np.stack(bl)).reshape(-1).view(np.uint8) for bl in mine]) if mine \
+            else np.zeros(0, np.uint8)
+        peaks = np.array([result.peak_bytes[d] for d in self.devices], np.int64)
+        root = self.rank == 0
+        recv = np.empty(send.nbytes * self.nranks, np.uint8) if root else None
+        precv = np.empty(self.mesh.size, np.int64) if root else None
+        reqs = [self.comm.Igather([send, MPI.BYTE], [recv, MPI.BYTE] if root else None, root=0),
+                self.comm.Igather([peaks, MPI.INT64_T], [precv, MPI.INT64_T] if root else None, root=0)]
+        wait_all(reqs, self.timeout_s, "the output gather to rank 0")
+        if not root:
+            return None, None
+        per_rank = recv.reshape(self.nranks, send.nbytes)
+        outputs, off = [], 0
+        for j, (name, sh) in enumerate(zip(spmd.output_names, spmd.out_shardings)):
+            b0 = mine[j][0]
+            n = b0.nbytes * self.k
+            blocks = np.ascontiguousarray(per_rank[:, off:off + n]).view(b0.dtype).reshape((self.mesh.size,) + b0.shape)
+            off += n
+            outputs.append(unshard(list(blocks), sh, self.mesh, name))
+        return outputs, [int(x) for x in precv]
+
+    def gather_trace(self) -> np.ndarray | None:
+        """All ranks' trace rows ``(coll, step, src, dst, bytes)`` on rank 0 (int64, sorted); None elsewhere."""
+        rows = np.concatenate(self._trace_parts) if self._trace_parts else np.zeros((0, 5), np.int64)
+        rows = np.ascontiguousarray(rows, np.int64)
+        counts = np.empty(self.nranks, np.int64) if self.rank == 0 else None
+        n = np.array([rows.size], np.int64)
+        wait_all([self.comm.Igather([n, MPI.INT64_T], [counts, MPI.INT64_T] if counts is not None else None, root=0)],
+                 self.timeout_s, "the message-trace gather")
+        if self.rank == 0:
+            allrows = np.empty(int(counts.sum()), np.int64)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            recvspec = [allrows, (counts.tolist(), displs.tolist()), MPI.INT64_T]
+        else:
+            recvspec = None
+        wait_all([self.comm.Igatherv([rows.ravel(), MPI.INT64_T], recvspec, root=0)], self.timeout_s,
+                 "the message-trace gather")
+        self._trace_parts = []
+        if self.rank != 0:
+            return None
+        allrows = allrows.reshape(-1, 5)
+        return allrows[np.lexsort((allrows[:, 3], allrows[:, 2], allrows[:, 1], allrows[:, 0]))]
+
+    def close(self) -> None:
+        if self.subcomms is not None:
+            self.subcomms.free()
+
+    # -- collectives -----------------------------------------------------------------------
+    def _collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        index = self._eqn_index.get(id(eqn), -1)
+        ctx = self.context
+        ctx.index, ctx.eqn, ctx.seq = index, eqn, self._seq
+        self._seq += 1
+        if self.progress is not None:
+            self.progress(ctx)
+        fault = self.fault.trigger(self.rank, index) if self.fault is not None else None
+        if fault in ("raise", "hang", "exit") or (fault == "kill" and self.algorithm == "native"):
+            self.fault.act(fault)
+        axes = tuple(eqn.params["axes"])
+        x0 = operands[self.devices[0]]
+        if self.check:
+            self._agree(index, eqn, x0, axes, fault == "mismatch")
+        kind, params = eqn.prim, dict(eqn.params)
+        groups = self.local_groups(axes)
+        p = len(groups[0])
+        if p == 1:
+            return {g[0]: direct_collective(kind, [operands[g[0]]], **params)[0] for g in groups}
+        flat = {d: flatten_operand(kind, x, **params) for d, x in operands.items()}
+        op = params.get("op", "sum") if kind == "all_reduce" else "sum"
+        results: dict[int, np.ndarray] = {}
+        if self.algorithm == "native":
+            for g in groups:
+                local = {pos: flat[d][0] for pos, d in enumerate(g) if d in flat}
+                res = run_native_mpi(kind, self.subcomms, g, self.rank_of, local, op, tag_base=self._next_tag(2),
+                                     timeout_s=self.timeout_s)
+                for pos, r in res.items():
+                    results[g[pos]] = r
+        else:
+            group_shape = tuple(self.mesh.axis_size(a) for a in axes)
+            nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
+            sched = build_schedule(kind, group_shape, nbytes, self.algorithm, itemsize=x0.dtype.itemsize,
+                                   devices_per_node=self.devices_per_node)
+            jobs = [(sched, g, {pos: flat[d][0] for pos, d in enumerate(g) if d in flat}) for g in groups]
+            trace: list | None = [] if self.tracing else None
+            if fault == "kill":      # die once this rank is inside the collective (test hook)
+                trace = _KillAtStep(1 if len(sched.steps) > 1 else 0)
+            res_list = run_schedules_mpi(self.comm, jobs, self.rank_of, op, self._next_tag(len(sched.steps) + 2),
+                                         trace, timeout_s=self.timeout_s)
+            if fault == "kill":      # it sent nothing at that step: die now
+                self.fault.act("kill")
+            for g, res in zip(groups, res_list):
+                for pos, r in res.items():
+                    results[g[pos]] = r
+            if self.tracing and trace:
+                t = np.asarray(trace, np.int64).reshape(-1, 4)
+                self._trace_parts.append(np.concatenate([np.full((len(t), 1), index, np.int64), t], axis=1))
+        return {d: restore_result(kind, results[d], x.shape, flat[d][1], p, x.dtype, **params)
+                for d, x in operands.items()}
+
+    def _next_tag(self, width: int) -> int:
+        t = self._tag
+        self._tag += width
+        return t
+
+    def _agree(self, index: int, eqn: Eqn, x: np.ndarray, axes: tuple[str, ...], corrupt: bool) -> None:
+        """Every rank checks it runs the same collective as every other (max and min in one Iallreduce)."""
+        shape = tuple(x.shape) + ((1 << 20,) if corrupt else ())
+        fields = ("sequence number", "eqn index", "primitive", "dtype", "shape", "axes", "params")
+        params = repr(sorted((k, v) for k, v in eqn.params.items() if k != "axes"))
+        sig = np.array([self._seq - 1, index, _PRIM_CODE.get(eqn.prim, -1), x.dtype.num,
+                        zlib.crc32(repr(shape).encode()), zlib.crc32(repr(axes).encode()),
+                        zlib.crc32(params.encode())], np.int64)
+        buf = np.concatenate([sig, -sig])
+        out = np.empty_like(buf)
+        wait_all([self.comm.Iallreduce([buf, MPI.INT64_T], [out, MPI.INT64_T], MPI.MAX)], self.timeout_s,
+                 lambda: f"the agreement check of {describe_op(index, eqn)}")
+        hi, lo = out[:len(sig)], -out[len(sig):]
+        bad = [f for f, a, b in zip(fields, hi, lo) if a != b]
+        if bad:
+            raise CollectiveError(
+                f"the ranks disagree on communicating collective #{self._seq - 1} ({', '.join(bad)} differ; "
+                f"eqn index ranges {lo[1]}..{hi[1]} over the ranks); this rank runs {eqn.prim} of "
+                f"{x.dtype.name}{list(shape)} over axes {axes} — every rank must run the same SPMD program")
+
+
+# -- the fault-injection test hook -----------------------------------------------------------
+FAULT_ENV = "PARTIR_EMU_FAULT"
+FAULT_MODES = ("raise", "exit", "kill", "hang", "mismatch")
+
+
+@dataclass
+class FaultSpec:
+    """Test hook: ``PARTIR_EMU_FAULT=rank:R:op:K:MODE`` makes rank ``R`` misbehave at the first
+    communicating collective whose equation index is ``>= K`` (once):
+
+    ``raise``    raise an EmulationError there (the rank reports it and aborts the job);
+    ``exit``     ``os._exit(3)`` without a word (a crashing rank);
+    ``kill``     SIGKILL itself in the middle of the collective (after step 0 of its schedule);
+    ``hang``     sleep forever (the run's ``--timeout`` must end it);
+    ``mismatch`` claim a different operand shape in the agreement check.
+    """
+
+    rank: int
+    op: int
+    mode: str
+    fired: bool = False
+
+    @classmethod
+    def parse(cls, text: str | None) -> FaultSpec | None:
+        if not text:
+            return None
+        parts = text.split(":")
+        if len(parts) != 5 or parts[0] != "rank" or parts[2] != "op" or parts[4] not in FAULT_MODES:
+            raise EmulationError(f"{FAULT_ENV}={text!r}: expected rank:R:op:K:MODE with MODE in {FAULT_MODES}")
+        try:
+            return cls(int(parts[1]), int(parts[3]), parts[4])
+        except ValueError:
+            raise EmulationError(f"{FAULT_ENV}={text!r}: R and K must be integers") from None
+
+    def trigger(self, rank: int, index: int) -> str | None:
+        if self.fired or rank != self.rank or index < self.op:
+            return None
+        self.fired = True
+        return self.mode
+
+    def act(self, mode: str) -> None:
+        import os
+        import signal
+        if mode == "raise":
+            raise EmulationError(f"fault injected by {FAULT_ENV} (test hook)")
+        if mode == "exit":
+            os._exit(3)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang":
+            while True:
+                time.sleep(1.0)
+
+
+class _KillAtStep(list):
+    """Trace list that SIGKILLs this process when the schedule executor reaches ``step``
+    (the ``kill`` fault: a rank dying in the middle of a collective)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def append(self, item: Any) -> None:
+        if item[0] >= self.step:
+            FaultSpec(0, 0, "kill").act("kill")
+        super().append(item)
