@@ -140,5 +140,7 @@ def test_random_program_matches_jax(data):
         raise
     res = LocalMesh(mesh, algorithm=algorithm).run(low.spmd, xs)
     ref = [np.asarray(r) for r in jax.tree_util.tree_leaves(jax.jit(fn)(*xs))]
-    ver = verify(res.outputs, ref, low.spmd.output_names, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order than XLA's: absolute error scales with the values summed
+    scale = max(1.0, max(float(np.abs(r).max()) for r in ref if r.size))
+    ver = verify(res.outputs, ref, low.spmd.output_names, rtol=1e-5, atol=1e-5 * scale)
     assert ver.verified, (ops, mesh, schedule, ver, str(low.spmd))

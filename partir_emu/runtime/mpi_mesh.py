@@ -145,6 +145,7 @@ class OpContext:
     eqn: Eqn | None = None
     devices: tuple[int, ...] = ()
     seq: int = -1
+    state: str = ""     # 'waiting for the other ranks' | 'moving data' | 'computing' (after the op)
 
     def describe(self) -> str:
         return f"{device_str(self.devices)} {describe_op(self.index, self.eqn)}" if self.devices else \
@@ -179,8 +180,9 @@ _PRIM_CODE = {p: i for i, p in enumerate(COMM_PRIMS)}
 class MpiMesh:
     """This rank's share of an ``R × k`` device mesh over ``comm`` (``R = comm.Get_size()``).
 
-    ``progress(context)`` is called at each communicating collective; ``fault`` is the
-    test hook :class:`FaultSpec`.
+    ``progress(context)`` is called when the rank reaches a communicating collective, once its
+    participants agree, and when it is done (``context.state``); ``fault`` is the test hook
+    :class:`FaultSpec`.
     """
 
     def __init__(self, comm: MPI.Intracomm, mesh: Mesh, devices_per_rank: int, algorithm: str = "ring", *,
@@ -290,19 +292,31 @@ class MpiMesh:
 
     # -- collectives -----------------------------------------------------------------------
     def _collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        out = self._run_collective(eqn, operands)
+        self._set_state("computing")
+        return out
+
+    def _set_state(self, state: str) -> None:
+        self.context.state = state
+        if self.progress is not None:
+            self.progress(self.context)
+
+    def _run_collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         index = self._eqn_index.get(id(eqn), -1)
+        fault = self.fault.trigger(self.rank, index) if self.fault is not None else None
+        if fault == "hang":         # stuck before reaching the collective (test hook)
+            self.fault.act(fault)
         ctx = self.context
         ctx.index, ctx.eqn, ctx.seq = index, eqn, self._seq
         self._seq += 1
-        if self.progress is not None:
-            self.progress(ctx)
-        fault = self.fault.trigger(self.rank, index) if self.fault is not None else None
-        if fault in ("raise", "hang", "exit") or (fault == "kill" and self.algorithm == "native"):
+        self._set_state("waiting for the other ranks")
+        if fault in ("raise", "exit") or (fault == "kill" and self.algorithm == "native"):
             self.fault.act(fault)
         axes = tuple(eqn.params["axes"])
         x0 = operands[self.devices[0]]
         if self.check:
             self._agree(index, eqn, x0, axes, fault == "mismatch")
+        self._set_state("moving data")
         kind, params = eqn.prim, dict(eqn.params)
         groups = self.local_groups(axes)
         p = len(groups[0])
@@ -361,7 +375,7 @@ class MpiMesh:
         bad = [f for f, a, b in zip(fields, hi, lo) if a != b]
         if bad:
             raise CollectiveError(
-                f"the ranks disagree on communicating collective #{self._seq - 1} ({', '.join(bad)} differ; "
+                f"the ranks disagree on communicating collective #{self._seq - 1} (differ: {', '.join(bad)}; "
                 f"eqn index ranges {lo[1]}..{hi[1]} over the ranks); this rank runs {eqn.prim} of "
                 f"{x.dtype.name}{list(shape)} over axes {axes} — every rank must run the same SPMD program")
 
@@ -379,7 +393,7 @@ class FaultSpec:
     ``raise``    raise an EmulationError there (the rank reports it and aborts the job);
     ``exit``     ``os._exit(3)`` without a word (a crashing rank);
     ``kill``     SIGKILL itself in the middle of the collective (after step 0 of its schedule);
-    ``hang``     sleep forever (the run's ``--timeout`` must end it);
+    ``hang``     sleep forever just before the collective (the run's ``--timeout`` must end it);
     ``mismatch`` claim a different operand shape in the agreement check.
     """
 

@@ -53,14 +53,16 @@ global device ids, ``bytes`` the payload. Transfers between devices of one rank
 ``partir-emu rank R device D op K (prim at file:line): Error: message`` to stderr, removes the
 job's ``/dev/shm/mpich_shm_*`` file and calls ``MPI_Abort`` (mpiexec then stops every rank);
 a watchdog thread does the same after ``timeout`` seconds. With ``progress_dir`` each rank
-keeps ``rank-NNNNN.json`` there up to date (pid, devices, phase, current op, shm files) so the
-launcher can name the op of a rank that died without a word (SIGKILL, OOM).
+keeps ``rank-NNNNN.json`` there up to date (pid, devices, phase, current op, shm files) and
+holds an ``flock`` on it while it lives, so the launcher learns which rank died first and in
+which op, even when it died without a word (SIGKILL, OOM).
 ``PARTIR_EMU_FAULT=rank:R:op:K:MODE`` is a **test hook** that injects a failure
 (:class:`partir_emu.runtime.mpi_mesh.FaultSpec`).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import resource
@@ -174,8 +176,10 @@ class RankGuard:
         self._lock = threading.Lock()
         self._aborting = False
         if progress_dir:
+            # held locked while the rank lives: the launcher learns the moment it dies
             self._fd = os.open(os.path.join(progress_dir, f"rank-{self.rank:05d}.json"),
                                os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         self.set_phase("startup")
         self._timer = None
         if timeout_s:
@@ -200,7 +204,7 @@ class RankGuard:
                "phase": self.phase, "devices": list(self.devices), "shm": self.shm, "t": time.time()}
         if ctx is not None and ctx.eqn is not None:
             from partir_emu.runtime.mpi_mesh import short_source
-            rec.update(op=ctx.index, prim=ctx.eqn.prim, source=short_source(ctx.eqn.source))
+            rec.update(op=ctx.index, prim=ctx.eqn.prim, source=short_source(ctx.eqn.source), state=ctx.state)
         data = json.dumps(rec).encode()[:PROGRESS_BYTES].ljust(PROGRESS_BYTES)
         try:
             os.pwrite(self._fd, data, 0)
@@ -321,7 +325,7 @@ def run_job(comm, spmd, job: dict, guard: RankGuard, *, inputs: Sequence[np.ndar
         gather_s = time.perf_counter() - t1
     finally:
         mesh.close()
-        guard.mesh = None
+    guard.mesh = None      # kept on failure: the guard names the op
     if rank != 0:
         return None
     all_times = all_times.reshape(nranks, 4)
