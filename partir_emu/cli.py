@@ -143,7 +143,8 @@ def _register_extras() -> None:
             if exc.name != mod:
                 raise
             continue
-        _EXTRA.append(m.add_subcommands)
+        if m.add_subcommands not in _EXTRA:   # main() may be called many times in one process
+            _EXTRA.append(m.add_subcommands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -131,6 +131,9 @@ class Mesh:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mesh) and other.axes == self.axes
 
+    def __reduce__(self):   # rebuild through __init__ so the memo tables exist
+        return (Mesh, (self.axes,))
+
     def __hash__(self) -> int:
         return hash(self.axes)
 

@@ -214,6 +214,9 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
             seen_conflicts.add((e, axis))
             state.conflicts.append(Conflict(axis, e, f"{p.eqns[e].prim} at {p.eqns[e].source or '?'}: {msg}"))
 
+    def origin_of(v: Var) -> str:
+        return state.origin.get((v.id, axis), "?")
+
     n_axis = mesh.axis_size(axis)
     while queue:
         e = queue.popleft()
@@ -238,7 +241,8 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
                 continue
             if len(cands) > 1:
                 (f1, v1), (f2, v2) = list(cands.items())[:2]
-                conflict(e, f"{v1} and {v2} want different factors tiled by {axis!r}; left untiled")
+                conflict(e, f"{v1} (from {origin_of(v1)}) and {v2} (from {origin_of(v2)}) want different "
+                            f"factors tiled by {axis!r}; left untiled")
                 continue
             (f, src), = cands.items()
             if f in rule.blocked:
@@ -257,7 +261,10 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
         else:
             for f, v in cands.items():
                 if f != current:
-                    conflict(e, f"{v} wants another factor tiled by {axis!r} than the one chosen")
+                    holder = next((x for x, fs in slots for dd, da in enumerate(value_dims[x])
+                                   if axis in da and current in fs[dd]), None)
+                    conflict(e, f"{v} (from {origin_of(v)}) wants another factor tiled by {axis!r} than the "
+                                f"one the equation has" + (f" (from {origin_of(holder)})" if holder else ""))
             why = f"{label} via {p.eqns[e].prim}"
         # push the decision to every operand and result dim made of that factor
         for k, d in _factor_dims(rule).get(current, ()):
@@ -267,7 +274,7 @@ def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> 
                 continue
             w = _dim_axes(F, rule.sizes, factors[d], mesh)
             if any(axis in x for x in dims):
-                conflict(e, f"{v} already uses {axis!r} on another dim")
+                conflict(e, f"{v} already uses {axis!r} on another dim (from {origin_of(v)})")
                 continue
             if axis in state.pinned.get(v, ()):
                 conflict(e, f"{v} is pinned REPLICATED on {axis!r}")
@@ -291,8 +298,8 @@ def _producer_accepts(state: ShardingState, q: int, v: Var, d: int, new_axes: tu
     given what its other operands and results already say?"""
     rule = state.rules[q]
     F = state.eqn_factors[q]
-    k = next(i for i, (x, _) in enumerate(_all_slots(state)[q]) if x is v and i >= _n_operand_slots(state, q))
-    factors = _all_slots(state)[q][k][1][d]
+    slots = _all_slots(state)[q]
+    factors = slots[_result_slot(state, q, v)][1][d]
     f = _factor_of_axis(state, rule.sizes, factors, new_axes, axis)
     if f is None or f in rule.blocked:
         return False
@@ -301,7 +308,7 @@ def _producer_accepts(state: ShardingState, q: int, v: Var, d: int, new_axes: tu
         return cur == f
     if rule.sizes[f] % (state.mesh.group_size(F.get(f, ())) * state.mesh.axis_size(axis)):
         return False
-    for x, fs in _all_slots(state)[q]:
+    for x, fs in slots:
         if x is v:
             continue
         for dd, da in enumerate(state.value_dims[x]):
@@ -312,9 +319,14 @@ def _producer_accepts(state: ShardingState, q: int, v: Var, d: int, new_axes: tu
     return True
 
 
-def _n_operand_slots(state: ShardingState, q: int) -> int:
-    eqn, rule = state.program.eqns[q], state.rules[q]
-    return sum(1 for fs in rule.operands[:len(eqn.inputs)] if fs)
+def _result_slot(state: ShardingState, q: int, v: Var) -> int:
+    """Index in ``_all_slots(state)[q]`` of result ``v`` of equation ``q``."""
+    slots = _all_slots(state)[q]
+    n_in = len(slots) - sum(1 for fs in state.rules[q].results if fs)
+    for i in range(n_in, len(slots)):
+        if slots[i][0] is v:
+            return i
+    raise AssertionError(f"{v} is not a result of equation {q}")
 
 
 def _dim_axes(F: dict[int, tuple[str, ...]], sizes, factors, mesh: Mesh) -> tuple[str, ...] | None:

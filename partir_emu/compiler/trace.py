@@ -197,4 +197,19 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
     outs = b.inline(closed.jaxpr, closed.consts, inputs)
     leaves, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = [_path_str(p) or "out" for p, _ in leaves]
-    return Program(tuple(inputs), tuple(names), tuple(b.eqns), tuple(outs), tuple(out_names), tuple(b.consts))
+    eqns, consts = dead_code_elimination(b.eqns, b.consts, outs)
+    return Program(tuple(inputs), tuple(names), tuple(eqns), tuple(outs), tuple(out_names), tuple(consts))
+
+
+def dead_code_elimination(eqns, consts, outputs):
+    """Drop equations whose results nothing reads (every supported primitive is pure).
+    jax's backward pass leaves such values behind (e.g. the zeros cotangent of a masked
+    ``where``): lowered unsharded they would distort memory and time at full size."""
+    live = {o for o in outputs if isinstance(o, Var)}
+    kept = []
+    for e in reversed(eqns):
+        if any(o in live for o in e.outputs):
+            kept.append(e)
+            live.update(a for a in e.inputs if isinstance(a, Var))
+    kept.reverse()
+    return kept, [(v, c) for v, c in consts if v in live]

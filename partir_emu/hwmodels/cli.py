@@ -10,11 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from partir_emu.errors import PartirError
-
-
-class HardwareArgumentError(PartirError):
-    """A bad ``simulate``/``hardware`` command-line value (``--algorithm``, ``--slice``)."""
+from partir_emu.errors import PartirError, UsageError
 
 
 def add_subcommands(sub) -> None:
@@ -55,7 +51,7 @@ def parse_algorithms(text: str | None) -> str | dict[str, str] | None:
 
     def check(alg: str) -> str:
         if alg not in ALGORITHMS:
-            raise HardwareArgumentError(f"--algorithm: unknown collective algorithm {alg!r}; "
+            raise UsageError(f"--algorithm: unknown collective algorithm {alg!r}; "
                                         f"use one of {', '.join(ALGORITHMS)}")
         return alg
 
@@ -66,10 +62,10 @@ def parse_algorithms(text: str | None) -> str | dict[str, str] | None:
     for part in filter(None, (p.strip() for p in text.split(","))):
         kind, eq, alg = (s.strip() for s in part.partition("="))
         if not eq:
-            raise HardwareArgumentError(f"--algorithm: item {part!r} is not KIND=ALGORITHM; write e.g. "
+            raise UsageError(f"--algorithm: item {part!r} is not KIND=ALGORITHM; write e.g. "
                                         f"all_reduce=ring,all_gather=bidir_ring")
         if kind not in COMM_PRIMS:
-            raise HardwareArgumentError(f"--algorithm: unknown collective kind {kind!r}; "
+            raise UsageError(f"--algorithm: unknown collective kind {kind!r}; "
                                         f"kinds are {', '.join(COMM_PRIMS)}")
         out[kind] = check(alg)
     return out
@@ -83,7 +79,7 @@ def parse_slice(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         dims = ()
     if not dims or any(d < 1 for d in dims):
-        raise HardwareArgumentError(f"--slice {text!r}: write the slice shape as positive integers joined "
+        raise UsageError(f"--slice {text!r}: write the slice shape as positive integers joined "
                                     f"by 'x', e.g. 8x8x8")
     return dims
 
@@ -213,4 +209,4 @@ def _fmt(v) -> str:
 
 
 __all__ = ["add_subcommands", "cmd_simulate", "cmd_hardware", "parse_algorithms", "parse_slice",
-           "simulate_experiment", "HardwareArgumentError"]
+           "simulate_experiment"]

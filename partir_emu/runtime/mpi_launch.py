@@ -31,6 +31,7 @@ SIGKILL. MPICH's ``/dev/shm/mpich_shm_*`` segments left by a failed run are remo
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -192,6 +194,89 @@ def _mtime(p: str) -> float:
         return 0.0
 
 
+# -- who died first ------------------------------------------------------------------------------
+class DeathWatch:
+    """Learns the moment each rank exits: a rank holds an ``flock`` on its progress file while
+    it lives (see :class:`partir_emu.runtime.worker.RankGuard`); one thread per rank blocks on
+    that lock and stamps the time it is released, with the rank's last progress record."""
+
+    def __init__(self, progress_dir: Path) -> None:
+        self.dir = progress_dir
+        self.exits: dict[int, tuple[float, dict]] = {}
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._scanner = threading.Thread(target=self._scan, name="partir-emu-deathwatch", daemon=True)
+        self._scanner.start()
+
+    def _scan(self) -> None:
+        while not self._stop.is_set():
+            try:
+                names = os.listdir(self.dir)
+            except OSError:
+                names = []
+            for n in names:
+                path = self.dir / n
+                if n.startswith("rank-") and n not in self._seen and _size(path) > 0:
+                    self._seen.add(n)
+                    threading.Thread(target=self._wait_one, args=(path,), daemon=True).start()
+            self._stop.wait(0.1)
+
+    def _wait_one(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)      # granted once the rank has exited (or finished)
+            t = time.time()
+            rec = _read_record(path)
+            if rec is not None:
+                self.exits[int(rec["rank"])] = (t, rec)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def silent_deaths(self, settle_s: float = 0.5) -> list[tuple[float, dict]]:
+        """Ranks that exited neither done nor having reported a failure, earliest first,
+        as ``(exit wall time, last progress record)``."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and len(self.exits) < len(self._seen):
+            time.sleep(0.01)
+        out = [(t, r) for t, r in self.exits.values() if r.get("phase") not in ("done", "failed")]
+        return sorted(out, key=lambda x: x[0])
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        text = path.read_bytes().rstrip(b" \0\n")
+        return json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def _exit_statuses(text: str) -> dict[int, str]:
+    """Per-rank exit status from hydra's ``-print-all-exitcodes`` line (single host only)."""
+    m = re.findall(r"Exit codes: \[[^\]]*\] ([0-9,]+)\s*$", text, re.M)
+    if len(m) != 1:
+        return {}
+    out = {}
+    for r, v in enumerate(int(x) for x in m[0].split(",")):
+        out[r] = f"killed by signal {v & 0x7F}" if v & 0x7F else f"exit code {v >> 8}"
+    return out
+
+
 # -- a launch -----------------------------------------------------------------------------------
 class MpiRun:
     """``mpiexec -n ranks python -m partir_emu.runtime.worker --jobs FILE`` for a list of jobs.
@@ -230,17 +315,20 @@ class MpiRun:
             env.setdefault(var, "1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(self.env_extra)
-        cmd = [str(self.mpiexec), "-n", str(self.ranks), *self.mpiexec_args,
+        hydra = [] if not _is_hydra(self.mpiexec) else ["-print-all-exitcodes"]
+        cmd = [str(self.mpiexec), "-n", str(self.ranks), *hydra, *self.mpiexec_args,
                sys.executable, "-m", "partir_emu.runtime.worker", "--jobs", str(jobs_file)]
         self._shm_before = _shm_files()
         self._out = open(self.workdir / "mpiexec.out", "w+b")
         self._err = open(self.workdir / "mpiexec.err", "w+b")
         self.start_wall = time.time()
         self._t0 = time.monotonic()
+        self.watch = DeathWatch(self.progress_dir)
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err, env=env,
                                          start_new_session=True)
         except OSError as exc:
+            self.watch.stop()
             raise EmulationError(f"cannot start {self.mpiexec}: {exc}") from None
         return self
 
@@ -263,8 +351,12 @@ class MpiRun:
         if rc != 0 and "APPLICATION TIMED OUT" in self.output():    # MPIEXEC_TIMEOUT fired
             timed_out = True
         if timed_out or rc != 0:
+            silent = self.watch.silent_deaths()
+            self.watch.stop()
+            progress = self.read_progress()
             cleanup_shm([s for p in progress for s in p.get("shm", [])], self._shm_before, self.start_wall)
-            raise EmulationError(self._failure_message(rc, timed_out, progress))
+            raise EmulationError(self._failure_message(rc, timed_out, progress, silent))
+        self.watch.stop()
         self._close_logs()
         try:
             return [_read_result(job) for job in self.jobs]
@@ -278,15 +370,7 @@ class MpiRun:
             stop_process_tree(self.proc, str(self.workdir), pids)
 
     def read_progress(self) -> list[dict]:
-        out = []
-        for f in sorted(self.progress_dir.glob("rank-*.json")):
-            try:
-                text = f.read_bytes().rstrip(b" \0\n")
-                if text:
-                    out.append(json.loads(text))
-            except (OSError, ValueError):
-                pass
-        return out
+        return [r for f in sorted(self.progress_dir.glob("rank-*.json")) if (r := _read_record(f)) is not None]
 
     def output(self) -> str:
         text = ""
@@ -306,7 +390,8 @@ class MpiRun:
             except OSError:
                 pass
 
-    def _failure_message(self, rc: int | None, timed_out: bool, progress: list[dict]) -> str:
+    def _failure_message(self, rc: int | None, timed_out: bool, progress: list[dict],
+                         silent: list[tuple[float, dict]]) -> str:
         text = self.output()
         self._close_logs()
         lines = []
@@ -316,28 +401,47 @@ class MpiRun:
         else:
             lines.append(f"the MPI run ({self.ranks} ranks) failed: mpiexec exit code {rc}")
         msgs = list(dict.fromkeys(ln for ln in text.splitlines() if ln.startswith("partir-emu rank")))
+        first_failure = min((r.get("t", math.inf) for r in progress if r.get("phase") == "failed"),
+                            default=math.inf)
+        silent = [(t, r) for t, r in silent if t < first_failure]   # died before anyone reported
+        if silent and not timed_out:
+            # the first rank to exit without a word is the one that died; mpiexec stopped the others
+            status = _exit_statuses(text)
+            t_first, first = silent[0]
+            same = [r for t, r in silent if t - t_first < 0.002]
+            for r in same:
+                how = status.get(int(r["rank"]), "no exit status")
+                lines.append(f"partir-emu rank {r['rank']} {_where(r)}: died without a message ({how}); "
+                             f"{'it was the first rank to exit' if len(same) == 1 else 'one of the first ranks to exit'}"
+                             f", mpiexec stopped the others")
         lines += msgs[:8] + ([f"... and {len(msgs) - 8} more rank messages"] if len(msgs) > 8 else [])
-        by_pid = {p.get("pid"): p for p in progress}
-        for m in re.finditer(r"PID (\d+) RUNNING AT (\S+)\s*\n=\s*(EXIT CODE: \d+|KILLED BY SIGNAL: \d+[^\n]*)", text):
-            p = by_pid.get(int(m.group(1)))
-            if p is not None and not str(p.get("phase", "")).startswith("failed"):
-                lines.append(f"partir-emu rank {p['rank']} {_where(p)}: died ({m.group(3).strip().lower()}, "
-                             f"pid {m.group(1)} on {m.group(2)})")
-        if not msgs or timed_out:
+        if not msgs or timed_out or any("timed out" in m for m in msgs):
             lines.append("last positions: " + _positions(progress, self.ranks))
-        if not msgs:
+        if not msgs and not silent:
             tail = "\n".join(ln for ln in text.splitlines() if ln.strip())[-1500:]
             if tail:
                 lines.append("mpiexec output (tail):\n" + tail)
         return "\n".join(lines)
 
 
+def _is_hydra(mpiexec: Path) -> bool:
+    try:
+        real = Path(os.path.realpath(mpiexec))
+    except OSError:
+        return False
+    return "hydra" in real.name or (real.parent / "mpiexec.hydra").exists()
+
+
+def _op(p: dict) -> str:
+    if "op" in p and p.get("phase") in ("step", "failed"):
+        return f"op {p['op']} ({p.get('prim')} at {p.get('source')}; {p.get('state')})"
+    return f"op - ({p.get('phase')})"
+
+
 def _where(p: dict) -> str:
     from partir_emu.runtime.mpi_mesh import device_str
     devs = device_str(p["devices"]) + " " if p.get("devices") else ""
-    if "op" in p and p.get("phase") == "step":
-        return f"{devs}op {p['op']} ({p.get('prim')} at {p.get('source')})"
-    return f"{devs}op - ({p.get('phase')})"
+    return devs + _op(p)
 
 
 def _positions(progress: list[dict], ranks: int) -> str:
@@ -345,8 +449,7 @@ def _positions(progress: list[dict], ranks: int) -> str:
         return f"no rank reported progress (of {ranks}); MPI start-up failed or was too slow"
     groups: dict[str, list[int]] = {}
     for p in progress:
-        key = f"op {p['op']} ({p.get('prim')} at {p.get('source')})" if "op" in p and p.get("phase") == "step" \
-            else str(p.get("phase"))
+        key = _op(p)
         groups.setdefault(key, []).append(p["rank"])
     missing = ranks - len(progress)
     parts = [f"rank{'s' if len(r) > 1 else ''} {_ranges(r)}: {k}" for k, r in sorted(groups.items(), key=lambda kv: kv[1])]

@@ -374,10 +374,36 @@ class MpiMesh:
         hi, lo = out[:len(sig)], -out[len(sig):]
         bad = [f for f, a, b in zip(fields, hi, lo) if a != b]
         if bad:
+            who = self._disagreement(index, eqn, x.dtype, shape, axes, sig)
             raise CollectiveError(
-                f"the ranks disagree on communicating collective #{self._seq - 1} (differ: {', '.join(bad)}; "
-                f"eqn index ranges {lo[1]}..{hi[1]} over the ranks); this rank runs {eqn.prim} of "
-                f"{x.dtype.name}{list(shape)} over axes {axes} — every rank must run the same SPMD program")
+                f"the ranks disagree on communicating collective #{self._seq - 1} (differ: {', '.join(bad)}): "
+                f"{who} — every rank must run the same SPMD program")
+
+    def _disagreement(self, index: int, eqn: Eqn, dtype: np.dtype, shape: tuple[int, ...], axes: tuple[str, ...],
+                      sig: np.ndarray) -> str:
+        """Which ranks run what (every rank has found the mismatch, so all take part)."""
+        nd = 8
+        rec = np.array([index, _PRIM_CODE.get(eqn.prim, -1), dtype.num, len(shape)]
+                       + [int(n) for n in shape[:nd]] + [-1] * (nd - min(len(shape), nd)) + [int(sig[5])], np.int64)
+        allrec = np.empty(rec.size * self.nranks, np.int64)
+        wait_all([self.comm.Iallgather([rec, MPI.INT64_T], [allrec, MPI.INT64_T])], self.timeout_s,
+                 "the mismatch report")
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r, row in enumerate(allrec.reshape(self.nranks, rec.size).tolist()):
+            groups.setdefault(tuple(row), []).append(r)
+        names = {v.num: v.name for v in map(np.dtype, (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                                         np.uint16, np.uint32, np.uint64, np.float16, np.float32,
+                                                         np.float64, np.complex64, np.complex128))}
+        parts = []
+        for row, ranks in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            idx, prim, dnum, ndim = row[:4]
+            shp = list(row[4:4 + min(ndim, nd)])
+            prim_name = COMM_PRIMS[prim] if 0 <= prim < len(COMM_PRIMS) else "?"
+            ax = str(axes) if row[-1] == int(sig[5]) else "other axes"
+            rs = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{len(ranks)} ranks incl. {ranks[0]}"
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {rs} run{'' if len(ranks) > 1 else 's'} op {idx} "
+                         f"{prim_name} of {names.get(dnum, f'dtype#{dnum}')}{shp} over {ax}")
+        return "; ".join(parts)
 
 
 # -- the fault-injection test hook -----------------------------------------------------------

@@ -78,7 +78,6 @@ from typing import Any
 import numpy as np
 
 
-
 def _process_start_wall() -> float:
     """When this process started (wall clock), from /proc; now if unknown."""
     try:
@@ -175,6 +174,7 @@ class RankGuard:
         self._fd = None
         self._lock = threading.Lock()
         self._aborting = False
+        self.error = ""
         if progress_dir:
             # held locked while the rank lives: the launcher learns the moment it dies
             self._fd = os.open(os.path.join(progress_dir, f"rank-{self.rank:05d}.json"),
@@ -202,9 +202,13 @@ class RankGuard:
             return
         rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "job": self.job,
                "phase": self.phase, "devices": list(self.devices), "shm": self.shm, "t": time.time()}
+        if ctx is None and self.mesh is not None:
+            ctx = self.mesh.context
         if ctx is not None and ctx.eqn is not None:
             from partir_emu.runtime.mpi_mesh import short_source
             rec.update(op=ctx.index, prim=ctx.eqn.prim, source=short_source(ctx.eqn.source), state=ctx.state)
+        if self.error:
+            rec["error"] = self.error[:1000]
         data = json.dumps(rec).encode()[:PROGRESS_BYTES].ljust(PROGRESS_BYTES)
         try:
             os.pwrite(self._fd, data, 0)
@@ -234,7 +238,8 @@ class RankGuard:
             os.write(2, (message.rstrip() + "\n").encode(errors="replace"))
         except OSError:
             pass
-        self.phase = "failed: " + message[:500]
+        self.phase = "failed"
+        self.error = message
         self._write_progress()
         for path in self.shm or mapped_shm_files():
             try:
@@ -348,7 +353,7 @@ def write_trace(path: str | os.PathLike, rows: np.ndarray, spmd, ranks: int, k: 
             "ranks": ranks, "devices_per_rank": k, "algorithm": algorithm, "collectives": colls}
     with open(path, "w") as f:
         f.write(json.dumps(head, separators=(",", ":")) + "\n")
-        f.writelines('{"coll":%d,"step":%d,"src":%d,"dst":%d,"bytes":%d}\n' % tuple(r) for r in rows.tolist())
+        f.writelines(f'{{"coll":{c},"step":{st},"src":{a},"dst":{b},"bytes":{n}}}\n' for c, st, a, b, n in rows.tolist())
 
 
 def read_trace(path: str | os.PathLike) -> tuple[dict, list[dict]]:

@@ -1,0 +1,50 @@
+"""Shared helpers of the MPI tier: each test launches ``mpiexec`` subprocesses (2–16 ranks)
+with a hard timeout. Lowered programs and jax.jit references are computed once per session."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).parent == here:
+            item.add_marker(pytest.mark.mpi)
+            if not MPIEXEC.exists():
+                item.add_marker(pytest.mark.skip(reason=f"no mpiexec at {MPIEXEC}; pip install mpich mpi4py"))
+
+
+@functools.lru_cache(maxsize=None)
+def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = None):
+    """(Experiment, SpmdProgram) — lowered once per session."""
+    from partir_emu.compiler.mesh import Mesh
+    from partir_emu.experiment import Experiment
+    exp = Experiment(scenario, strategy, Mesh.parse(mesh), None, overrides)
+    return exp, exp.lower().spmd
+
+
+@functools.lru_cache(maxsize=None)
+def reference(scenario: str, overrides: str | None = None) -> tuple[np.ndarray, ...]:
+    """jax.jit of the scenario's step on its seed-0 inputs (independent of mesh and strategy)."""
+    from partir_emu.compiler.mesh import Mesh
+    from partir_emu.experiment import Experiment
+    return tuple(Experiment(scenario, "bp", Mesh(batch=1), None, overrides).reference())
+
+
+def shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
+
+
+def bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
