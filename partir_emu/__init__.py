@@ -6,13 +6,15 @@ lazily (MPI ranks and the hardware models never need it).
 """
 from __future__ import annotations
 
+from partir_emu.compiler.auto import AutomaticPartition
 from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.sharding import Sharding
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
 from partir_emu.errors import PartirError
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "Sharding", "ManualPartition", "REPLICATED", "PartirError", "jit", "trace", "__version__"]
+__all__ = ["Mesh", "Sharding", "ManualPartition", "AutomaticPartition", "REPLICATED", "PartirError", "jit", "trace",
+           "__version__"]
 
 
 def __getattr__(name: str):

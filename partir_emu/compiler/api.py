@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from partir_emu.compiler.auto import AutomaticPartition, apply_automatic
 from partir_emu.compiler.ir import Program
 from partir_emu.compiler.lower import lower
 from partir_emu.compiler.mesh import Mesh
@@ -34,7 +35,10 @@ def partition(program: Program, mesh: Mesh, schedule: Sequence[ManualPartition],
     state = ShardingState.initial(program, mesh)
     states = [state.copy()] if keep_states else []
     for k, t in enumerate(schedule):
-        apply_tactic(state, t, k)
+        if isinstance(t, AutomaticPartition):
+            apply_automatic(state, t, k)
+        else:
+            apply_tactic(state, t, k)
         if keep_states:
             states.append(state.copy())
     return states if keep_states else [state]

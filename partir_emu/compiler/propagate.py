@@ -43,6 +43,7 @@ class ShardingState:
     origin: dict[tuple[int, str], str] = field(default_factory=dict)  # (var id, axis) -> why
     conflicts: list[Conflict] = field(default_factory=list)
     tactics_applied: list[str] = field(default_factory=list)
+    auto_results: list = field(default_factory=list)   # (label, auto.SearchResult) per AutomaticPartition
 
     @classmethod
     def initial(cls, program: Program, mesh: Mesh) -> ShardingState:
@@ -52,7 +53,8 @@ class ShardingState:
     def copy(self) -> ShardingState:
         return ShardingState(self.program, self.mesh, self.rules, dict(self.value_dims),
                              [dict(f) for f in self.eqn_factors], {v: set(s) for v, s in self.pinned.items()},
-                             dict(self.origin), list(self.conflicts), list(self.tactics_applied))
+                             dict(self.origin), list(self.conflicts), list(self.tactics_applied),
+                             list(self.auto_results))
 
     # -- derived shardings ------------------------------------------------------------
     def dims_from_factors(self, e: int, dims: tuple[tuple[int, ...], ...]) -> list[tuple[str, ...]] | None:
