@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from partir_emu.compiler.propagate import ShardingState, apply_tactic
 from partir_emu.compiler.spmd import SpmdProgram
