@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from partir_emu.compiler.auto import AutomaticPartition
 from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
 from partir_emu.errors import ScenarioError
@@ -316,13 +317,15 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
       no such dim stays replicated on that axis. Scalars are never sharded.
     """
     parts = name.split("+")
-    unknown = [p for p in parts if p not in ("bp", "mp", "z2", "z3")]
-    if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts):
-        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, z2, z3")
+    unknown = [p for p in parts if p not in ("bp", "mp", "z2", "z3", "auto")]
+    if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
+            or ("auto" in parts and "mp" in parts):
+        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp (or auto), z2, z3")
     use_mp = "mp" in parts
+    use_auto = "auto" in parts
     zero = "z3" if "z3" in parts else "z2" if "z2" in parts else None
     use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
-    _check_mesh(mesh, name, need_data=use_bp, need_model=use_mp)
+    _check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_auto)
     daxes = data_axes(mesh)
     shapes = _kind_shapes(param_shapes(cfg), kinds) if cfg is not None else None
     tactics: list[ManualPartition] = []
@@ -355,6 +358,9 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
             inputs[f"opt/*/{k.pattern}"] = k.mp_dim
             tiled[k.pattern][k.mp_dim] = msize
         tactics.append(ManualPartition(inputs, axis=MODEL_AXIS, name=f"mp:{MODEL_AXIS}"))
+    if use_auto:
+        # the model axis searched instead of written: the analytical model on TPU v4 prices each choice
+        tactics.append(AutomaticPartition(MODEL_AXIS, inputs="params/*", name=f"auto:{MODEL_AXIS}"))
 
     if zero is not None:
         for ax in daxes:
@@ -396,7 +402,7 @@ def _zero_dim(kind: ParamKind, use_mp: bool, size: int, tiled: dict[int, int],
     return min(candidates, key=lambda d: (-min(s[d] for s in shapes), d))
 
 
-STRATEGY_NAMES = ("bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z2", "bp+mp+z3")
+STRATEGY_NAMES = ("bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z2", "bp+mp+z3", "bp+auto")
 
 
 def make_strategies(kinds: Sequence[ParamKind], param_shapes: Callable[[Config], dict], *,
