@@ -27,7 +27,8 @@ def _add_common(p: argparse.ArgumentParser, mesh_default: str | None = "batch=2,
 
 def _experiment(args):
     from partir_emu.experiment import Experiment
-    return Experiment(args.scenario, args.strategy, Mesh.parse(args.mesh), args.size, args.overrides, args.seed)
+    return Experiment(args.scenario, args.strategy, Mesh.parse(args.mesh), args.size, args.overrides, args.seed,
+                      getattr(args, "inputs", None))
 
 
 def _write_report(rep: dict, path: str | None) -> None:

@@ -8,6 +8,7 @@ make their own copy).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler.mesh import Mesh
-from partir_emu.errors import EmulationError
+from partir_emu.errors import ArgumentError, EmulationError
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -39,6 +40,7 @@ class Experiment:
     preset: str | None = None
     overrides: str | dict | None = None
     seed: int = 0
+    inputs_file: str | None = None       # load inputs from this .npz instead of generating them
     scenario: Any = field(init=False)
     cfg: dict = field(init=False)
 
@@ -59,15 +61,19 @@ class Experiment:
         prog = trace(step, *self.scenario.abstract_inputs(self.cfg))
         return lower_program(prog, self.mesh, self.schedule, STATE_OUTPUTS)
 
-    def inputs(self) -> list[np.ndarray]:
-        """Global inputs, flat, in the program's input order (numpy only)."""
+    def inputs(self, names: Sequence[str] | None = None) -> list[np.ndarray]:
+        """Global inputs, flat, in the program's input order (numpy only): generated from the
+        seed, or read from ``inputs_file`` (keys = input ``names``, or arr_0, arr_1, ...)."""
+        if self.inputs_file:
+            return load_inputs_npz(self.inputs_file, names or self.scenario.input_names(self.cfg))
         return flatten(self.scenario.make_inputs(self.cfg, self.seed))
 
-    def reference(self) -> list[np.ndarray]:
-        """The unpartitioned ``jax.jit(step)`` on the same inputs."""
+    def reference(self, inputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs."""
         import jax
-        step = self.scenario.make_step(self.cfg)
-        out = jax.jit(step)(*self.scenario.make_inputs(self.cfg, self.seed))
+        treedef = jax.tree_util.tree_structure(self.scenario.abstract_inputs(self.cfg))
+        args = jax.tree_util.tree_unflatten(treedef, list(self.inputs() if inputs is None else inputs))
+        out = jax.jit(self.scenario.make_step(self.cfg))(*args)
         return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
 
 
@@ -113,9 +119,10 @@ def run_local(exp: Experiment, algorithm: str = "ring", lowered=None) -> dict:
     t0 = time.perf_counter()
     low = lowered or exp.lower()
     t1 = time.perf_counter()
-    res = LocalMesh(exp.mesh, algorithm=algorithm).run(low.spmd, exp.inputs())
+    inputs = exp.inputs(low.spmd.input_names)
+    res = LocalMesh(exp.mesh, algorithm=algorithm).run(low.spmd, inputs)
     t2 = time.perf_counter()
-    ver = verify(res.outputs, exp.reference(), low.spmd.output_names)
+    ver = verify(res.outputs, exp.reference(inputs), low.spmd.output_names)
     return report(exp, low.spmd, "local", ver, res.peak_bytes_per_device, wall_s=time.perf_counter() - t0,
                   extra={"lower_s": t1 - t0, "step_s": t2 - t1, "algorithm": algorithm})
 
@@ -134,3 +141,19 @@ def report(exp: Experiment, spmd, backend: str, ver: Verification, peak: Sequenc
     }
     out.update(extra or {})
     return out
+
+
+def load_inputs_npz(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarray]:
+    """Inputs from an ``.npz`` (no pickles): keys = input names, or ``arr_0 …`` in input order."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            keys = list(z.keys())
+            if all(n in keys for n in names):
+                return [z[n] for n in names]
+            if all(f"arr_{i}" in keys for i in range(len(names))):
+                return [z[f"arr_{i}"] for i in range(len(names))]
+    except (OSError, ValueError) as exc:
+        raise ArgumentError(f"--inputs {path}: cannot read it as an .npz without pickles ({exc})") from None
+    missing = [n for n in names if n not in keys][:5]
+    raise ArgumentError(f"--inputs {path}: keys {keys[:5]}{'…' if len(keys) > 5 else ''} are neither the program's "
+                        f"input names (missing e.g. {missing}) nor arr_0..arr_{len(names) - 1}")

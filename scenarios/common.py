@@ -219,18 +219,21 @@ def _as_positive_int(raw: Any) -> int | None:
 def adam_init(params: Any) -> dict:
     """``{"mu": zeros like params, "nu": zeros like params, "count": int32 0}``.
 
-    Works on numpy arrays (returns numpy) and on jax arrays/tracers (returns jax).
+    Works on numpy arrays (returns numpy, without importing jax: MPI ranks build
+    their inputs this way) and on jax arrays/tracers (returns jax).
     """
-    import jax
+    def leaves(t):
+        return [x for v in t.values() for x in leaves(v)] if isinstance(t, dict) else [t]
 
-    if all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params)):
-        zeros = lambda x: np.zeros(x.shape, x.dtype)
-        count = np.zeros((), np.int32)
-    else:
-        import jax.numpy as jnp
-        zeros = jnp.zeros_like
-        count = jnp.zeros((), jnp.int32)
-    return {"mu": jax.tree.map(zeros, params), "nu": jax.tree.map(zeros, params), "count": count}
+    if all(isinstance(x, np.ndarray) for x in leaves(params)):
+        def zeros(t):
+            return _map_leaves(t, lambda x: np.zeros(x.shape, x.dtype)) if isinstance(t, dict) \
+                else np.zeros(t.shape, t.dtype)
+        return {"mu": zeros(params), "nu": zeros(params), "count": np.zeros((), np.int32)}
+    import jax
+    import jax.numpy as jnp
+    return {"mu": jax.tree.map(jnp.zeros_like, params), "nu": jax.tree.map(jnp.zeros_like, params),
+            "count": jnp.zeros((), jnp.int32)}
 
 
 def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: float = 0.9,

@@ -10,12 +10,13 @@ value on group member 0 of the partial axes and zeros on the others (the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.sharding import Sharding
-from partir_emu.errors import EmulationError, ShardingError
+from partir_emu.errors import CollectiveError, EmulationError, ShardingError
 
 
 def block_slices(sharding: Sharding, mesh: Mesh, device: int, local_shape: Sequence[int]) -> tuple[slice, ...]:
@@ -82,3 +83,33 @@ def unshard(locals_by_device: Sequence[np.ndarray], sharding: Sharding, mesh: Me
 
 def _bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+
+# -- operand layout (the dim the collective works on goes in front, then flat) ----------------
+def flatten_operand(kind: str, x: np.ndarray, *, dim: int = 0, split_dim: int = 0,
+                    **_: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The flat buffer a schedule works on, and the moved shape to restore from."""
+    front = {"all_gather": dim, "reduce_scatter": dim, "all_to_all": split_dim}.get(kind, 0)
+    moved = np.moveaxis(x, front, 0) if x.ndim else x
+    return np.ascontiguousarray(moved).ravel(), moved.shape
+
+
+def restore_result(kind: str, r: np.ndarray, x_shape: tuple[int, ...], mshape: tuple[int, ...], p: int,
+                   dtype: np.dtype, *, dim: int = 0, split_dim: int = 0, concat_dim: int = 0,
+                   **_: Any) -> np.ndarray:
+    """Inverse of :func:`flatten_operand` for the collective's result (LocalMesh's layout)."""
+    r = r.astype(dtype, copy=False)
+    if kind == "all_reduce":
+        return r.reshape(x_shape)
+    if kind == "all_gather":
+        return np.moveaxis(r.reshape((p * mshape[0],) + mshape[1:]), 0, dim)
+    if kind == "reduce_scatter":
+        return np.moveaxis(r.reshape((mshape[0] // p,) + mshape[1:]), 0, dim)
+    if kind == "all_to_all":
+        # member j received block j of every member, in group order: (p, s/p, *rest), split_dim in front
+        t = np.moveaxis(r.reshape((p, mshape[0] // p) + mshape[1:]), 1, 1 + split_dim)
+        t = np.moveaxis(t, 0, concat_dim)
+        shape = list(t.shape)
+        shape[concat_dim:concat_dim + 2] = [shape[concat_dim] * shape[concat_dim + 1]]
+        return t.reshape(shape)
+    raise CollectiveError(f"unknown collective {kind!r}")

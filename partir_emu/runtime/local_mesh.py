@@ -29,7 +29,7 @@ from partir_emu.compiler.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.dtypes import np_dtype
 from partir_emu.runtime.engine import run_spmd
-from partir_emu.runtime.layout import shard, unshard
+from partir_emu.runtime.layout import flatten_operand, restore_result, shard, unshard
 
 _REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -127,31 +127,13 @@ def scheduled_collective(kind: str, bufs: Sequence[np.ndarray], group_shape: tup
 
     p = len(bufs)
     x0 = bufs[0]
-    front = {"all_gather": dim, "reduce_scatter": dim, "all_to_all": split_dim}.get(kind, 0)
-    moved = [np.moveaxis(b, front, 0) if b.ndim else b for b in bufs]
-    mshape = moved[0].shape
-    flat = [np.ascontiguousarray(m).ravel() for m in moved]
+    params = {"dim": dim, "split_dim": split_dim, "concat_dim": concat_dim}
+    flat = [flatten_operand(kind, b, **params) for b in bufs]
     nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
     sched = build_schedule(kind, group_shape, nbytes, algorithm, itemsize=x0.dtype.itemsize,
                            devices_per_node=devices_per_node)
-    res = [r.astype(x0.dtype, copy=False) for r in run_schedule(sched, flat, op=op if kind == "all_reduce" else "sum")]
-    if kind == "all_reduce":
-        return [r.reshape(x0.shape) for r in res]
-    if kind == "all_gather":
-        return [np.moveaxis(r.reshape((p * mshape[0],) + mshape[1:]), 0, dim) for r in res]
-    if kind == "reduce_scatter":
-        return [np.moveaxis(r.reshape((mshape[0] // p,) + mshape[1:]), 0, dim) for r in res]
-    if kind == "all_to_all":
-        # member j received block j of every member, in group order: (p, s/p, *rest) with split_dim in front
-        out = []
-        for r in res:
-            t = np.moveaxis(r.reshape((p, mshape[0] // p) + mshape[1:]), 1, 1 + split_dim)  # (p, *block)
-            t = np.moveaxis(t, 0, concat_dim)  # p just before the concat dim's block size
-            shape = list(t.shape)
-            shape[concat_dim:concat_dim + 2] = [shape[concat_dim] * shape[concat_dim + 1]]
-            out.append(t.reshape(shape))
-        return out
-    raise CollectiveError(f"unknown collective {kind!r}")
+    res = run_schedule(sched, [f for f, _ in flat], op=op if kind == "all_reduce" else "sum")
+    return [restore_result(kind, r, x0.shape, flat[0][1], p, x0.dtype, **params) for r in res]
 
 
 def _reduce_op(op: str) -> np.ufunc:

@@ -25,7 +25,7 @@ inputs), ``step_s`` (between two barriers), ``lower_s``, ``gather_s`` and ``rss_
 **Failures.** A non-zero exit of mpiexec raises :class:`EmulationError` with the ranks'
 ``partir-emu rank R device D op K …`` lines; for a rank that died without a word (killed,
 OOM) the op comes from its progress file. Every run has a timeout: the ranks' watchdogs
-(``--timeout``), ``MPIEXEC_TIMEOUT`` (+3 s) and this process's wait (+8 s), after which
+(``--timeout``), ``MPIEXEC_TIMEOUT`` (+3 s) and this process's wait (+6 s), after which
 mpiexec's process group gets SIGTERM, then every leftover rank SIGTERM and, 3 s later,
 SIGKILL. MPICH's ``/dev/shm/mpich_shm_*`` segments left by a failed run are removed.
 """
@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -336,7 +337,7 @@ class MpiRun:
         """Wait for the launch; the jobs' results (``outputs``, ``stats``) or EmulationError."""
         assert self.proc is not None, "start() first"
         timed_out = False
-        budget = self.timeout_s + 8 - (time.monotonic() - self._t0)
+        budget = self.timeout_s + 6 - (time.monotonic() - self._t0)
         try:
             self.proc.wait(timeout=max(budget, 0.1))
         except subprocess.TimeoutExpired:
@@ -357,6 +358,8 @@ class MpiRun:
             cleanup_shm([s for p in progress for s in p.get("shm", [])], self._shm_before, self.start_wall)
             raise EmulationError(self._failure_message(rc, timed_out, progress, silent))
         self.watch.stop()
+        for w in dict.fromkeys(ln for ln in self.output().splitlines() if ln.startswith("partir-emu: warning")):
+            print(w, file=sys.stderr)       # the ranks' warnings
         self._close_logs()
         try:
             return [_read_result(job) for job in self.jobs]
@@ -400,7 +403,12 @@ class MpiRun:
                          "was stopped")
         else:
             lines.append(f"the MPI run ({self.ranks} ranks) failed: mpiexec exit code {rc}")
-        msgs = list(dict.fromkeys(ln for ln in text.splitlines() if ln.startswith("partir-emu rank")))
+        # the ranks' messages: from mpiexec's output, and from their progress records (MPI_Abort
+        # can stop mpiexec before it has forwarded a rank's last words)
+        said = [ln for ln in text.splitlines() if ln.startswith("partir-emu rank")]
+        said += [ln for p in progress if p.get("phase") == "failed"
+                 for ln in str(p.get("error", "")).splitlines() if ln.startswith("partir-emu rank")]
+        msgs = list(dict.fromkeys(said))
         first_failure = min((r.get("t", math.inf) for r in progress if r.get("phase") == "failed"),
                             default=math.inf)
         silent = [(t, r) for t, r in silent if t < first_failure]   # died before anyone reported
@@ -415,7 +423,9 @@ class MpiRun:
                              f"{'it was the first rank to exit' if len(same) == 1 else 'one of the first ranks to exit'}"
                              f", mpiexec stopped the others")
         lines += msgs[:8] + ([f"... and {len(msgs) - 8} more rank messages"] if len(msgs) > 8 else [])
+        lines += list(dict.fromkeys(ln for ln in text.splitlines() if ln.startswith("partir-emu: warning")))[:4]
         if not msgs or timed_out or any("timed out" in m for m in msgs):
+            lines += _laggards(progress)
             lines.append("last positions: " + _positions(progress, self.ranks))
         if not msgs and not silent:
             tail = "\n".join(ln for ln in text.splitlines() if ln.strip())[-1500:]
@@ -458,6 +468,19 @@ def _positions(progress: list[dict], ranks: int) -> str:
     return "; ".join(parts)
 
 
+def _laggards(progress: list[dict]) -> list[str]:
+    """On a timeout: the ranks still computing before a collective the others already wait in."""
+    stepping = [p for p in progress if "op" in p and p.get("phase") in ("step", "failed")]
+    waiting = [p for p in stepping if p.get("state") == "waiting for the other ranks"]
+    if not waiting:
+        return []
+    front = max(p["op"] for p in waiting)
+    behind = [p for p in stepping if p["op"] < front or (p["op"] == front and p.get("state") == "computing")]
+    ahead = sorted(p["rank"] for p in waiting if p["op"] == front)
+    return [f"partir-emu rank {p['rank']} {_where(p)}: behind the others (rank{'s' if len(ahead) > 1 else ''} "
+            f"{_ranges(ahead)} wait in op {front}); it is stuck after this op" for p in behind[:8]]
+
+
 def _ranges(xs: list[int]) -> str:
     xs = sorted(xs)
     out, i = [], 0
@@ -488,13 +511,7 @@ def launch(jobs: Sequence[dict], ranks: int, **kw: Any) -> list[dict]:
 # -- the CLI ------------------------------------------------------------------------------------
 def reference_outputs(exp, inputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """``jax.jit(step)`` on the experiment's inputs, or on ``inputs`` (flat, program order)."""
-    if inputs is None:
-        return exp.reference()
-    import jax
-    treedef = jax.tree_util.tree_structure(exp.scenario.abstract_inputs(exp.cfg))
-    args = jax.tree_util.tree_unflatten(treedef, list(inputs))
-    out = jax.jit(exp.scenario.make_step(exp.cfg))(*args)
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+    return exp.reference(inputs)
 
 
 def _layout(exp, args) -> tuple[int, int]:
@@ -524,8 +541,7 @@ def run_mpi_cli(exp, args) -> dict | None:
 
 
 def run_self_launched(exp, args) -> dict:
-    from partir_emu.experiment import report, verify
-    from partir_emu.runtime.worker import load_inputs_npz
+    from partir_emu.experiment import load_inputs_npz, report, verify
     n, k = _layout(exp, args)
     algorithm = _algorithm(args)
     t0 = time.perf_counter()
@@ -557,6 +573,7 @@ def run_self_launched(exp, args) -> dict:
         "ranks": st["ranks"], "devices_per_rank": k, "algorithm": algorithm, "lower_s": lower_s,
         "launch_s": max(st["ready_wall"]) - start_wall, "step_s": st["step_s"], "gather_s": st["gather_s"],
         "reference_s": ref_s, "rss_bytes_total": int(sum(st["rss_bytes"])), "rss_bytes_max": int(max(st["rss_bytes"])),
+        "launcher_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "trace_messages": job["trace"]})
 
 
@@ -565,9 +582,9 @@ def run_in_ranks(exp, args) -> dict | None:
     from mpi4py import MPI
 
     from partir_emu.compiler.spmd import SpmdProgram
-    from partir_emu.experiment import report, verify
+    from partir_emu.experiment import load_inputs_npz, report, verify
     from partir_emu.runtime.mpi_mesh import wait_all
-    from partir_emu.runtime.worker import RankGuard, load_inputs_npz, numpy_inputs, run_job
+    from partir_emu.runtime.worker import RankGuard, numpy_inputs, run_job
     comm = MPI.COMM_WORLD
     rank, nranks = comm.Get_rank(), comm.Get_size()
     n, k = _layout(exp, args)
@@ -592,7 +609,7 @@ def run_in_ranks(exp, args) -> dict | None:
         guard.close()
         raise EmulationError(f"rank {rank}: rank 0 could not lower the program (see its message)")
     buf = np.frombuffer(data, np.uint8).copy() if rank == 0 else np.empty(int(length[0]), np.uint8)
-    wait_all([comm.Ibcast([buf, MPI.BYTE], root=0)], args.timeout, "the program broadcast from rank 0")
+    wait_all([comm.Ibcast([buf, MPI.BYTE], root=0)], args.timeout, "the program broadcast from rank 0", bulk=True)
     lower_s = time.perf_counter() - t0
     with guard:
         spmd = SpmdProgram.loads(buf.tobytes(), "<broadcast program>")

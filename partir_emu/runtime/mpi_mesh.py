@@ -64,24 +64,35 @@ from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import EngineResult, run_spmd
-from partir_emu.runtime.layout import shard, unshard
+from partir_emu.runtime.layout import flatten_operand, restore_result, shard, unshard
 from partir_emu.runtime.local_mesh import direct_collective
 
 MPI_ALGORITHMS: tuple[str, ...] = ALGORITHMS + ("native",)
-POLL_S = 0.0005
+POLL_S = 0.0001          # first sleep between two Tests; it grows ×1.5 per poll ...
+POLL_MAX_S = 0.001       # ... up to this: a long wait costs few wake-ups, a short one little latency
 
 
-def wait_all(reqs: Sequence[MPI.Request], timeout_s: float | None, what: Callable[[], str] | str) -> None:
-    """Complete ``reqs`` by ``Test`` + short sleeps (never a busy-polling blocking wait)."""
+def wait_all(reqs: Sequence[MPI.Request], timeout_s: float | None, what: Callable[[], str] | str, *,
+             bulk: bool = False) -> None:
+    """Complete ``reqs`` by ``Test`` + short sleeps (never a blocking wait: MPICH busy-polls in
+    one, which starves the other ranks on an oversubscribed box).
+
+    The sleep grows from 0.1 ms to 1 ms, so hundreds of ranks waiting for a slow one do not
+    flood the box with wake-ups. ``bulk=True`` keeps it at 0.1 ms: a large message between
+    ranks advances one shared-memory chunk per Test on each side, so a longer sleep would
+    throttle it (1 MB per rank into a gather over 16 ranks: 0.4 s at 0.1 ms, 9 s at 5 ms)."""
     reqs = list(reqs)
     if not reqs:
         return
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    nap = POLL_S
+    grow = 1.0 if bulk else 1.5
     while not MPI.Request.Testall(reqs):
         if deadline is not None and time.monotonic() > deadline:
             w = what() if callable(what) else what
             raise EmulationError(f"timed out after {timeout_s:g} s waiting for {w}: a rank is missing or stuck")
-        time.sleep(POLL_S)
+        time.sleep(nap)
+        nap = min(nap * grow, POLL_MAX_S)
 
 
 def short_source(source: str) -> str:
@@ -104,36 +115,6 @@ def device_str(devices: Sequence[int]) -> str:
     if devices == list(range(devices[0], devices[0] + len(devices))):
         return f"devices {devices[0]}-{devices[-1]}"
     return "devices " + ",".join(map(str, devices))
-
-
-# -- operand layout (the dim the collective works on goes in front, then flat) ----------------
-def flatten_operand(kind: str, x: np.ndarray, *, dim: int = 0, split_dim: int = 0,
-                    **_: Any) -> tuple[np.ndarray, tuple[int, ...]]:
-    """The flat buffer a schedule works on, and the moved shape to restore from."""
-    front = {"all_gather": dim, "reduce_scatter": dim, "all_to_all": split_dim}.get(kind, 0)
-    moved = np.moveaxis(x, front, 0) if x.ndim else x
-    return np.ascontiguousarray(moved).ravel(), moved.shape
-
-
-def restore_result(kind: str, r: np.ndarray, x_shape: tuple[int, ...], mshape: tuple[int, ...], p: int,
-                   dtype: np.dtype, *, dim: int = 0, split_dim: int = 0, concat_dim: int = 0,
-                   **_: Any) -> np.ndarray:
-    """Inverse of :func:`flatten_operand` for the collective's result (LocalMesh's layout)."""
-    r = r.astype(dtype, copy=False)
-    if kind == "all_reduce":
-        return r.reshape(x_shape)
-    if kind == "all_gather":
-        return np.moveaxis(r.reshape((p * mshape[0],) + mshape[1:]), 0, dim)
-    if kind == "reduce_scatter":
-        return np.moveaxis(r.reshape((mshape[0] // p,) + mshape[1:]), 0, dim)
-    if kind == "all_to_all":
-        # member j received block j of every member, in group order: (p, s/p, *rest), split_dim in front
-        t = np.moveaxis(r.reshape((p, mshape[0] // p) + mshape[1:]), 1, 1 + split_dim)
-        t = np.moveaxis(t, 0, concat_dim)
-        shape = list(t.shape)
-        shape[concat_dim:concat_dim + 2] = [shape[concat_dim] * shape[concat_dim + 1]]
-        return t.reshape(shape)
-    raise CollectiveError(f"unknown collective {kind!r}")
 
 
 # -- where a failure happened --------------------------------------------------------------
@@ -220,9 +201,28 @@ class MpiMesh:
         g = self._groups.get(axes)
         if g is None:
             lo, hi = self.devices[0], self.devices[-1]
-            g = [grp for grp in self.mesh.groups(axes) if any(lo <= d <= hi for d in grp)]
+            every = self.mesh.groups(axes)
+            g = [grp for grp in every if any(lo <= d <= hi for d in grp)]
             self._groups[axes] = g
+            if self.algorithm == "native" and self.rank == 0 and len({self._layout(grp) for grp in every}) > 1:
+                import sys
+                print(f"partir-emu: warning: with {self.k} devices per rank the groups over {axes} are not laid out "
+                      "alike on the ranks; native MPI sums them in different orders, so values replicated across "
+                      "those groups may differ in the last bit (a schedule algorithm is bit-exact)", file=sys.stderr)
         return g
+
+    def _layout(self, group: Sequence[int]) -> tuple[int, ...]:
+        """How a group's members fall on ranks: the run lengths of equal ranks, in group order."""
+        runs: list[int] = []
+        prev = None
+        for d in group:
+            r = self.rank_of(d)
+            if r == prev:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+            prev = r
+        return tuple(runs)
 
     # -- inputs / outputs ------------------------------------------------------------------
     def shard_inputs(self, spmd: SpmdProgram, global_inputs: Sequence[np.ndarray]) -> dict[int, list[np.ndarray]]:
@@ -251,7 +251,7 @@ class MpiMesh:
         precv = np.empty(self.mesh.size, np.int64) if root else None
         reqs = [self.comm.Igather([send, MPI.BYTE], [recv, MPI.BYTE] if root else None, root=0),
                 self.comm.Igather([peaks, MPI.INT64_T], [precv, MPI.INT64_T] if root else None, root=0)]
-        wait_all(reqs, self.timeout_s, "the output gather to rank 0")
+        wait_all(reqs, self.timeout_s, "the output gather to rank 0", bulk=True)
         if not root:
             return None, None
         per_rank = recv.reshape(self.nranks, send.nbytes)
@@ -279,7 +279,7 @@ class MpiMesh:
         else:
             recvspec = None
         wait_all([self.comm.Igatherv([rows.ravel(), MPI.INT64_T], recvspec, root=0)], self.timeout_s,
-                 "the message-trace gather")
+                 "the message-trace gather", bulk=True)
         self._trace_parts = []
         if self.rank != 0:
             return None

@@ -99,46 +99,12 @@ PROGRESS_BYTES = 4096
 
 # -- inputs (numpy only) ------------------------------------------------------------------------
 def numpy_inputs(scenario: str, preset: str | None, overrides: Any, seed: int) -> list[np.ndarray]:
-    """The scenario's global inputs, flat in jax's order, without importing jax.
-
-    Same values as ``Experiment.inputs()`` (``Scenario.make_inputs``): params and batch from one
-    ``default_rng(seed)``, Adam state ``mu``/``nu`` zeros and ``count`` int32 0.
-    """
+    """The scenario's global inputs, flat in jax's order, without importing jax
+    (the same values as ``Experiment.inputs()``: ``Scenario.make_inputs`` is numpy-only)."""
     from partir_emu.experiment import flatten
     from scenarios import get_scenario
     sc = get_scenario(scenario)
-    cfg = sc.config(preset, overrides)
-    rng = np.random.default_rng(seed)
-    params = sc.make_params(cfg, rng)
-    zeros = _zeros_like_tree(params)
-    opt = {"mu": zeros, "nu": _zeros_like_tree(params), "count": np.zeros((), np.int32)}
-    return flatten((params, opt, sc.make_batch(cfg, rng)))
-
-
-def _zeros_like_tree(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _zeros_like_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_zeros_like_tree(v) for v in tree)
-    x = np.asarray(tree)
-    return np.zeros(x.shape, x.dtype)
-
-
-def load_inputs_npz(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarray]:
-    """Inputs from an ``.npz`` (no pickles): keys = input names, or ``arr_0 …`` in input order."""
-    from partir_emu.errors import ArgumentError
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            keys = list(z.keys())
-            if all(n in keys for n in names):
-                return [z[n] for n in names]
-            if all(f"arr_{i}" in keys for i in range(len(names))):
-                return [z[f"arr_{i}"] for i in range(len(names))]
-    except (OSError, ValueError) as exc:
-        raise ArgumentError(f"--inputs {path}: cannot read it as an .npz without pickles ({exc})") from None
-    missing = [n for n in names if n not in keys][:5]
-    raise ArgumentError(f"--inputs {path}: keys {keys[:5]}{'…' if len(keys) > 5 else ''} are neither the program's "
-                        f"input names (missing e.g. {missing}) nor arr_0..arr_{len(names) - 1}")
+    return flatten(sc.make_inputs(sc.config(preset, overrides), seed))
 
 
 # -- progress, watchdog, failure reports ----------------------------------------------------------
@@ -239,13 +205,15 @@ class RankGuard:
         except OSError:
             pass
         self.phase = "failed"
-        self.error = message
+        self.error = next((ln for ln in reversed(message.splitlines()) if ln.startswith("partir-emu rank")),
+                          message[-1000:])
         self._write_progress()
         for path in self.shm or mapped_shm_files():
             try:
                 os.unlink(path)
             except OSError:
                 pass
+        time.sleep(0.2)      # let mpiexec forward our stderr before MPI_Abort tears the job down
         try:
             self.comm.Abort(code)
         finally:
@@ -300,6 +268,7 @@ def run_job(comm, spmd, job: dict, guard: RankGuard, *, inputs: Sequence[np.ndar
     try:
         if inputs is None:
             if job.get("inputs"):
+                from partir_emu.experiment import load_inputs_npz
                 inputs = load_inputs_npz(job["inputs"], spmd.input_names)
             else:
                 inputs = numpy_inputs(job["scenario"], job.get("preset"), job.get("overrides"), int(job.get("seed", 0)))

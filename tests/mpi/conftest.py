@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"no mpiexec at {MPIEXEC}; pip install mpich mpi4py"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = None):
     """(Experiment, SpmdProgram) — lowered once per session."""
     from partir_emu.compiler.mesh import Mesh
@@ -33,7 +33,7 @@ def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = Non
     return exp, exp.lower().spmd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(scenario: str, overrides: str | None = None) -> tuple[np.ndarray, ...]:
     """jax.jit of the scenario's step on its seed-0 inputs (independent of mesh and strategy)."""
     from partir_emu.compiler.mesh import Mesh

@@ -110,7 +110,8 @@ def test_hang_stopped_by_rank_watchdog(tmp_path, baseline_s):
     err, secs, work, run = _run(tmp_path, f"rank:1:op:{op}:hang", timeout_s=timeout)
     assert err is not None
     msg = str(err)
-    assert "timed out after 6 s" in msg and "partir-emu rank 1 device 1 op " in msg, msg
+    assert "timed out after 6 s" in msg, msg
+    assert f"partir-emu rank 1 device 1 op {comm[1]} (all_reduce at " in msg and "behind the others" in msg, msg
     assert f"ranks 0,2-3: op {op} (all_reduce at " in msg and "waiting for the other ranks" in msg, msg
     assert secs < timeout + SLACK_S
     _no_leftovers(work, run)
@@ -122,13 +123,14 @@ def test_hang_stopped_by_launcher_timeout(tmp_path, baseline_s):
     SIGTERM and SIGKILL to leftover ranks."""
     _, _, comm = _program()
     op = comm[2]
-    timeout = 5.0
+    timeout = 3.0
     err, secs, work, run = _run(tmp_path, f"rank:3:op:{op}:hang", timeout_s=timeout, rank_timeout_s=1000,
                                 env={"MPIEXEC_TIMEOUT": "1000"})
     assert err is not None
     msg = str(err)
-    assert "timed out after 5 s" in msg, msg
-    assert f"ranks 0-2: op {op} (all_reduce at " in msg and "rank 3: op " in msg, msg
+    assert "timed out after 3 s" in msg, msg
+    assert f"partir-emu rank 3 device 3 op {comm[1]} (all_reduce at " in msg and "behind the others" in msg, msg
+    assert f"ranks 0-2: op {op} (all_reduce at " in msg, msg
     assert secs < timeout + SLACK_S
     _no_leftovers(work, run)
 
@@ -150,6 +152,22 @@ def test_cli_reports_rank_failure_and_exits_nonzero(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("partir-emu-mpi-")], "temp dir left behind"
 
 
+def test_rank_failure_under_users_mpirun(tmp_path):
+    """Under the user's `mpirun … partir-emu run --backend mpi` a raising rank aborts the job."""
+    _, _, comm = _program()
+    op = comm[1]
+    exe = Path(sys.executable).parent / "partir-emu"
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    env = dict(os.environ, PARTIR_EMU_FAULT=f"rank:1:op:{op}:raise", MPIEXEC_TIMEOUT="60")
+    t0 = time.monotonic()
+    out = subprocess.run([str(mpiexec), "-n", "2", str(exe), "run", "mlp", "--strategy", "bp", "--mesh", MESH,
+                          "--backend", "mpi", "--devices-per-rank", "2", "--timeout", "60"],
+                         capture_output=True, text=True, timeout=90, env=env)
+    assert out.returncode != 0
+    assert f"partir-emu rank 1 devices 2-3 op {op} (all_reduce at " in out.stderr + out.stdout, out.stderr
+    assert time.monotonic() - t0 < 30
+
+
 def test_progress_records_are_json(tmp_path, baseline_s):
     """A clean run leaves every rank's progress record at phase 'done'."""
     err, _, work, run = _run(tmp_path, None)
@@ -157,3 +175,36 @@ def test_progress_records_are_json(tmp_path, baseline_s):
     recs = run.read_progress()
     assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3]
     assert all(r["phase"] == "done" for r in recs), json.dumps(recs)[:500]
+
+
+def test_local_op_failure_names_device_and_op(monkeypatch):
+    """A failing non-collective equation is located from the engine's frames: its index,
+    primitive, source line and the device being evaluated (no MPI needed)."""
+    from partir_emu.runtime import engine
+    from partir_emu.runtime.local_mesh import LocalMesh
+    from partir_emu.runtime.worker import RankGuard
+    exp, spmd = lowered("mlp", "bp", "batch=4")
+    target = next(i for i, e in enumerate(spmd.program.eqns) if e.prim == "dot_general")
+    calls = []
+    real = engine.eval_eqn
+
+    def flaky(eqn, operands):
+        if eqn is spmd.program.eqns[target]:
+            calls.append(1)
+            if len(calls) == 3:                     # the third device: device 2
+                raise FloatingPointError("injected")
+        return real(eqn, operands)
+
+    monkeypatch.setattr(engine, "eval_eqn", flaky)
+    with pytest.raises(FloatingPointError) as info:
+        LocalMesh(exp.mesh).run(spmd, exp.inputs())
+
+    class _Comm:
+        def Get_rank(self):
+            return 0
+
+    guard = RankGuard(_Comm(), None)
+    guard.devices = (0, 1, 2, 3)
+    where = guard.where(info.value)
+    assert where.startswith(f"device 2 op {target} (dot_general at "), where
+    guard.close()

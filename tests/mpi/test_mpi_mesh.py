@@ -7,9 +7,11 @@ start-up cost is paid four times, not sixty.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,12 +47,13 @@ def _cases(config: str) -> list[tuple[str, str, str, str]]:
             for m in meshes for j, sc in enumerate(SCENARIOS) for i, st in enumerate(STRATEGIES)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _launch(config: str) -> dict:
     """Run every case of ``config`` in one mpiexec launch; results by case."""
     from partir_emu.runtime.mpi_launch import launch
     ranks, k, _ = CONFIGS[config]
     tmp = tempfile.mkdtemp(prefix=f"partir-emu-test-{config}-")
+    atexit.register(shutil.rmtree, tmp, True)
     jobs, keys = [], []
     for n, (mesh, sc, st, alg) in enumerate(_cases(config)):
         _, spmd = lowered(sc, st, mesh)
