@@ -69,6 +69,7 @@ class Scenario:
     strategies: Mapping[str, Strategy] = field(default_factory=dict)
     check_config: Callable[[Config], None] | None = None
     default_preset: str = "tiny"
+    flag_names: tuple[str, ...] = ()            # sizes that are 0/1 switches (e.g. remat)
 
     # -- inputs ----------------------------------------------------------------------------
     def make_inputs(self, cfg: Config, seed: int = 0) -> tuple[dict, dict, dict]:
@@ -189,6 +190,13 @@ def resolve_size(scenario: Scenario | str, preset: str, overrides: str | Mapping
         if name not in sc.size_names:
             raise ScenarioError(f"scenario {sc.name!r} has no size {name!r}; "
                                 f"valid names: {', '.join(sc.size_names)}")
+        if name in sc.flag_names:
+            value = {"0": 0, "1": 1, 0: 0, 1: 1}.get(raw.strip() if isinstance(raw, str) else raw)
+            if value is None or isinstance(raw, bool):
+                raise ScenarioError(f"{name!r} of scenario {sc.name!r} is a switch: use {name}=0 or {name}=1, "
+                                    f"got {raw!r}")
+            cfg[name] = value
+            continue
         value = _as_positive_int(raw)
         if value is None:
             raise ScenarioError(f"size {name!r} of scenario {sc.name!r} must be a positive integer, got {raw!r}; "

@@ -13,7 +13,9 @@ Forward::
 
 ``batch/tokens`` and ``batch/targets`` are int32 [batch, seq]; ``targets`` are
 the next tokens (``make_inputs`` draws random tokens and shifts them by one).
-Adam (by hand, ``scenarios.common.adam_update``); float32 everywhere.
+Adam (by hand, ``scenarios.common.adam_update``); float32 everywhere. ``remat=1`` wraps
+each layer in ``jax.checkpoint`` (the backward pass recomputes the layer's activations;
+the compiler inlines the recomputation, so memory and time models see it).
 
 Parameter count (closed form, :func:`param_count`), with d = d_model, f = d_ff::
 
@@ -38,13 +40,15 @@ import numpy as np
 from partir_emu.errors import ScenarioError
 from scenarios.common import Config, ParamKind, Scenario, adam_update, make_strategies
 
-SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab")
+SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat")
 
 PRESETS: dict[str, Config] = {
-    "tiny": dict(batch=8, seq=8, d_model=16, heads=4, d_ff=32, layers=2, vocab=32),
-    "small": dict(batch=16, seq=64, d_model=128, heads=8, d_ff=512, layers=4, vocab=512),
-    "t32": dict(batch=256, seq=2048, d_model=2560, heads=32, d_ff=10240, layers=32, vocab=50304),
-    "t48": dict(batch=512, seq=2048, d_model=3072, heads=32, d_ff=12288, layers=48, vocab=50304),
+    "tiny": dict(batch=8, seq=8, d_model=16, heads=4, d_ff=32, layers=2, vocab=32, remat=0),
+    "small": dict(batch=16, seq=64, d_model=128, heads=8, d_ff=512, layers=4, vocab=512, remat=0),
+    # full sizes recompute each layer's activations in the backward pass (remat=1), as such
+    # models are trained: only the residual stream between layers is kept
+    "t32": dict(batch=256, seq=2048, d_model=2560, heads=32, d_ff=10240, layers=32, vocab=50304, remat=1),
+    "t48": dict(batch=512, seq=2048, d_model=3072, heads=32, d_ff=12288, layers=48, vocab=50304, remat=1),
 }
 
 PARAM_KINDS = (
@@ -159,15 +163,20 @@ def make_step(cfg: Config, *, lr: float = 1e-2):
 
     layers, heads, vocab = cfg["layers"], cfg["heads"], cfg["vocab"]
 
+    def block(x, p):
+        x = x + attention(layernorm(x, p["ln1"]), p["attn"], heads)
+        h = layernorm(x, p["ln2"])
+        m = p["mlp"]
+        return x + (gelu(h @ m["w_in"] + m["b_in"]) @ m["w_out"] + m["b_out"])
+
+    if cfg.get("remat", 0):
+        block = jax.checkpoint(block)
+
     def loss_fn(params, batch):
         tokens = batch["tokens"]
         x = params["embed"]["tokens"][tokens] + params["embed"]["pos"]
         for i in range(layers):
-            p = params[f"layer_{i}"]
-            x = x + attention(layernorm(x, p["ln1"]), p["attn"], heads)
-            h = layernorm(x, p["ln2"])
-            m = p["mlp"]
-            x = x + (gelu(h @ m["w_in"] + m["b_in"]) @ m["w_out"] + m["b_out"])
+            x = block(x, params[f"layer_{i}"])
         logits = layernorm(x, params["final_ln"]) @ params["unembed"]["w"]
         logp = jax.nn.log_softmax(logits, axis=-1)
         onehot = jax.nn.one_hot(batch["targets"], vocab, dtype=jnp.float32)
@@ -208,6 +217,7 @@ SCENARIO = Scenario(
     param_kinds=PARAM_KINDS,
     strategies=make_strategies(PARAM_KINDS, param_shapes, check_mp=_check_mp),
     check_config=_check_config,
+    flag_names=("remat",),
 )
 
 __all__ = ["SCENARIO", "PRESETS", "SIZE_NAMES", "param_count", "param_shapes", "make_step"]
