@@ -16,7 +16,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	mkdir -p reports
-	$(VENV)/bin/partir-emu run transformer --strategy bp+mp+z3 --mesh batch=2,model=2 --report reports/demo-local.json
+	$(VENV)/bin/partir-emu run transformer --strategy bp+mp+z3 --mesh batch=4,model=2 \
+		--backend mpi --devices 8 --devices-per-rank 2 --timeout 300 --report reports/demo-mpi.json
+	$(VENV)/bin/partir-emu simulate transformer --size t32 --strategy bp+mp+z3 --mesh batch=64,model=8 \
+		--hardware tpu-v4 --top 5 --report reports/demo-simulate.json
 
 test: setup
 	$(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider

@@ -34,7 +34,16 @@ def test_mp_transformer_two_allreduces_per_layer_each_way(case):
     assert len(cs) == 4 * LAYERS
     act = cfg["batch"] * cfg["seq"] * cfg["d_model"] * 4
     assert all(e.inputs[0].nbytes == act for e in cs)   # each of batch·seq·d_model elements
-    fwd = [e for e in cs if "loss_fn" in e.source or "attention" in e.source]
+    # forward ones are those the loss depends on: after attention's w_o and after the MLP's w_out
+    eqns = low.spmd.program.eqns
+    producer = {o: i for i, e in enumerate(eqns) for o in e.outputs}
+    need, todo = set(), [low.spmd.program.outputs[0]]
+    while todo:
+        i = producer.get(todo.pop())
+        if i is not None and i not in need:
+            need.add(i)
+            todo.extend(eqns[i].inputs)
+    fwd = [e for i, e in enumerate(eqns) if i in need and e.prim == "all_reduce" and e.params["axes"] == ("model",)]
     assert len(fwd) == 2 * LAYERS, [e.source for e in cs]
 
 
