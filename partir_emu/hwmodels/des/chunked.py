@@ -12,6 +12,8 @@ term is the pipeline fill): exact for neighbour messages, slower than the
 closed form otherwise unless ``c`` is small — and events grow as ``n/c · h``.
 It is here to measure the flow model against (``network="chunk"``); see
 :mod:`.network` for the comparison and ``benchmarks/des_speed.py`` for numbers.
+It records bytes per link but neither per-collective contention nor link
+utilization counters in the trace (the flow model does).
 """
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from partir_emu.collectives.schedule import CollectiveSchedule
-from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.des.routing import RoutePattern, Router
+from partir_emu.hwmodels.placement import Placement
 
 if TYPE_CHECKING:
     from partir_emu.hwmodels.des.model import Simulation
@@ -85,25 +85,33 @@ class StepPlan:
 def step_plans(sched: CollectiveSchedule, groups: Groups, router: Router) -> list[StepPlan]:
     """The flows of every step of ``sched`` run by every group."""
     G, p = groups.devices.shape
-    M = G * p
-    base = (np.arange(G, dtype=np.int64) * p)[:, None]
     out = []
     for msgs in sched.messages():
         ms = np.array([m.src for m in msgs], dtype=np.int64)
         md = np.array([m.dst for m in msgs], dtype=np.int64)
         mb = np.array([m.nbytes for m in msgs], dtype=np.float64)
-        seen: dict[int, int] = {}
-        rk = np.array([seen.__setitem__(s, seen.get(s, -1) + 1) or seen[s] for s in ms.tolist()], dtype=np.int64)
-        src = (base + ms[None, :]).ravel()
-        dst = (base + md[None, :]).ravel()
-        route = router.pattern(groups.chips.ravel()[src], groups.chips.ravel()[dst])
-        count0 = np.bincount(src, minlength=M) + np.bincount(dst, minlength=M)
-        by_src = np.argsort(src, kind="stable")
-        src_ptr = np.concatenate(([0], np.cumsum(np.bincount(src, minlength=M))))
-        g0 = route.links[:len(msgs)].ravel()
-        group_max = int(np.bincount(g0[g0 >= 0]).max()) if (g0 >= 0).any() else 0
-        out.append(StepPlan(src, dst, np.tile(mb, G), np.tile(rk, G), route, count0, by_src, src_ptr, group_max))
+        out.append(build_plan(ms, md, mb, G, p, groups.chips.ravel(), router))
     return out
+
+
+def build_plan(ms: np.ndarray, md: np.ndarray, mb: np.ndarray, G: int, p: int, chips: np.ndarray,
+               router: Router) -> StepPlan:
+    """One step: messages ``ms[k] -> md[k]`` of ``mb[k]`` bytes (positions in a group of ``p``), run by
+    each of ``G`` groups; member ``g*p + pos`` sits on chip ``chips[g*p + pos]``."""
+    M = G * p
+    K = len(ms)
+    seen: dict[int, int] = {}
+    rk = np.array([seen.__setitem__(s, seen.get(s, -1) + 1) or seen[s] for s in ms.tolist()], dtype=np.int64)
+    base = (np.arange(G, dtype=np.int64) * p)[:, None]
+    src = (base + ms[None, :]).ravel()
+    dst = (base + md[None, :]).ravel()
+    route = router.pattern(chips[src], chips[dst])
+    count0 = np.bincount(src, minlength=M) + np.bincount(dst, minlength=M)
+    by_src = np.argsort(src, kind="stable")
+    src_ptr = np.concatenate(([0], np.cumsum(np.bincount(src, minlength=M))))
+    g0 = route.links[:K].ravel()
+    group_max = int(np.bincount(g0[g0 >= 0]).max()) if (g0 >= 0).any() else 0
+    return StepPlan(src, dst, np.tile(mb, G), np.tile(rk, G), route, count0, by_src, src_ptr, group_max)
 
 
 class CollectiveRun:
@@ -188,15 +196,15 @@ class CollectiveRun:
     def _delivered(self, s: int, ids: np.ndarray | None, t: float) -> None:
         plan = self.plans[s]
         cnt = self._counts(s)
-        M = self.M
         if ids is None:
             cnt -= plan.count0
             cand = np.flatnonzero((cnt == 0) & (self.cur == s))
         else:
-            src, dst = plan.src[ids], plan.dst[ids]
-            cnt -= np.bincount(src, minlength=M) + np.bincount(dst, minlength=M)
-            cand = np.unique(np.concatenate((src, dst)))
-            cand = cand[(cnt[cand] == 0) & (self.cur[cand] == s)]
+            both = np.concatenate((plan.src[ids], plan.dst[ids]))
+            np.subtract.at(cnt, both, 1)
+            cand = both[(cnt[both] == 0) & (self.cur[both] == s)]
+            if cand.size > 1:
+                cand = np.unique(cand)
         if cand.size:
             self._enter(cand, s + 1, t)
 

@@ -25,7 +25,8 @@ class splits if its devices' collective finished at different times, and devices
 released at the same time with the same speed are merged again into one walker.
 A straggler (a device with a slow-down factor) starts in a class of its own. The
 collectives themselves are always simulated for every device on the network.
-With ``symmetry=False`` every device is its own process (a test holds the two equal).
+With ``symmetry=False`` every device is its own process (a test holds the two equal
+with ``merge_window_s=0``; see :class:`WaitPoint` for the merge window).
 """
 from __future__ import annotations
 
@@ -151,13 +152,21 @@ class Gate:
 
 class WaitPoint:
     """Where the compute stream reads collective ``c``: devices wait here until ``c`` is done for them.
-    Devices released at the same time with the same speed continue as one walker."""
+
+    Devices released at the same time with the same speed continue as one walker. With a
+    merge window ``w > 0``, devices released within ``w`` of the first release of a *round*
+    continue together from the latest release time of the round (a barrier among them): the
+    early ones would idle at their next collective anyway, since every member of a
+    collective waits, through the data, for the latest one. This keeps a desynchronized
+    pod (e.g. after an all-reduce of one scalar, whose members finish microseconds apart)
+    from splitting into thousands of single-device processes. ``w = 0``: exact per-device timing."""
 
     def __init__(self, sim: Simulation, c: int, resume_at: int) -> None:
         self.sim = sim
         self.c = c
         self.resume_at = resume_at
         self.pending: dict[float, np.ndarray] = {}      # speed factor -> bool mask over devices
+        self.rounds: dict[float, list] = {}             # speed factor -> [device arrays, latest release]
 
     def arrive(self, devices: np.ndarray, factor: float) -> np.ndarray:
         """``devices`` reach the wait now: returns those whose collective is done (they go on)."""
@@ -171,36 +180,73 @@ class WaitPoint:
         return devices[done]
 
     def release(self, devices: np.ndarray) -> None:
+        sim = self.sim
+        window = sim.options.merge_window_s if sim.options.symmetry else 0.0
+        now = sim.env.now
         for factor, mask in self.pending.items():
             sel = devices[mask[devices]]
-            if sel.size:
-                mask[sel] = False
-                self.sim.spawn(sel, factor, self.resume_at)
+            if not sel.size:
+                continue
+            mask[sel] = False
+            if window <= 0:
+                sim.spawn(sel, factor, self.resume_at)
+                continue
+            rnd = self.rounds.get(factor)
+            if rnd is None:
+                rnd = self.rounds[factor] = [[], now]
+                ev = sim.env.timeout(window)
+                ev.callbacks.append(lambda _e, f=factor, r=rnd: self._flush(f, r))
+            rnd[0].append(sel)
+            rnd[1] = now
+            if not mask.any():                  # everyone waiting here is released: go now
+                self._flush(factor, rnd)
+
+    def _flush(self, factor: float, rnd: list) -> None:
+        if self.rounds.get(factor) is not rnd:
+            return                              # already flushed
+        del self.rounds[factor]
+        devices = np.concatenate(rnd[0]) if len(rnd[0]) > 1 else rnd[0][0]
+        self.sim.spawn(devices, factor, self.resume_at, lag=self.sim.env.now - rnd[1])
 
 
 class Walker:
-    """A simpy process running the op stream from action ``pos`` for a set of devices of one speed."""
+    """A simpy process running the op stream from action ``pos`` for a set of devices of one speed.
+    ``lag``: how far behind ``env.now`` its timeline is (merge window); the next compute absorbs it."""
 
-    def __init__(self, sim: Simulation, devices: np.ndarray, factor: float, pos: int) -> None:
+    def __init__(self, sim: Simulation, devices: np.ndarray, factor: float, pos: int, lag: float = 0.0) -> None:
         self.sim = sim
         self.devices = devices
         self.factor = factor
         self.pos = pos
+        self.lag = lag
 
     def run(self):
         sim = self.sim
         env = sim.env
         acts = sim.stream.actions
-        devices, factor = self.devices, self.factor
+        devices, factor, lag = self.devices, self.factor, self.lag
         rec = sim.recorder
+        sim.live += 1
+        sim.max_live = max(sim.max_live, sim.live)
+        try:
+            yield from self._run(env, acts, devices, factor, lag, rec)
+        finally:
+            sim.live -= 1
+
+    def _run(self, env, acts, devices, factor, lag, rec):
+        sim = self.sim
         for pos in range(self.pos, len(acts)):
             a = acts[pos]
             if a.kind == COMPUTE:
                 if a.dur > 0:
-                    t0 = env.now
-                    yield env.timeout(a.dur * factor)
+                    t0 = env.now - lag
+                    dur = a.dur * factor
+                    if lag > 0:
+                        dur, lag = max(0.0, dur - lag), max(0.0, lag - dur)
+                    if dur > 0:
+                        yield env.timeout(dur)
                     if rec is not None:
-                        rec.compute(devices, t0, env.now, a)
+                        rec.compute(devices, t0, env.now - lag, a)
             elif a.kind == READY:
                 sim.gates[a.coll].fire(devices, env.now)
             else:

@@ -31,7 +31,6 @@ import numpy as np
 import simpy
 
 from partir_emu.compiler.spmd import SpmdProgram
-from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import analyze, compute_times
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des.chunked import ChunkNetwork
@@ -40,16 +39,12 @@ from partir_emu.hwmodels.des.device import WAIT, Gate, OpStream, WaitPoint, Walk
 from partir_emu.hwmodels.des.network import FlowNetwork
 from partir_emu.hwmodels.des.progress import Progress
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
-from partir_emu.hwmodels.des.routing import Router, link_factors
+from partir_emu.hwmodels.des.routing import DesError, Router, link_factors
 from partir_emu.hwmodels.des.trace_export import Recorder
 from partir_emu.hwmodels.placement import Placement, place
 from partir_emu.hwmodels.specs import HardwareSpec, load_spec
 
 NETWORKS = ("flow", "chunk")
-
-
-class DesError(PartirError):
-    """A bad DES option (straggler, link, network kind) or an inconsistent run."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +56,9 @@ class DesOptions:
     directions). ``failed_links``: links that carry nothing (routes detour around them).
     ``comm_streams``: collectives a device runs at once (1 = as the analytical overlap model).
     ``message_overhead_s``: a sender posts its messages of a step one after another, this long each.
-    ``symmetry=False`` simulates every device as its own process (same result, slower).
+    ``merge_window_s``: devices whose collective finishes within this window resume together from
+    the latest of their times (see :class:`~.device.WaitPoint`; 0 = exact per-device timing).
+    ``symmetry=False`` simulates every device as its own process (no merging; slower).
     """
 
     network: str = "flow"
@@ -71,6 +68,7 @@ class DesOptions:
     degraded_links: Mapping[str, float] = field(default_factory=dict)
     failed_links: tuple[str, ...] = ()
     message_overhead_s: float = 0.0
+    merge_window_s: float = 50e-6
     symmetry: bool = True
     trace: bool = False
     trace_devices: int = 8
@@ -84,6 +82,8 @@ class DesOptions:
             raise DesError(f"chunk_bytes={self.chunk_bytes} must be a positive number of bytes")
         if int(self.comm_streams) < 1:
             raise DesError(f"comm_streams={self.comm_streams} must be at least 1")
+        if self.merge_window_s < 0:
+            raise DesError(f"merge_window_s={self.merge_window_s} must be >= 0")
         if self.message_overhead_s < 0:
             raise DesError(f"message_overhead_s={self.message_overhead_s} must be >= 0")
         for d, f in self.stragglers.items():
@@ -94,7 +94,8 @@ class DesOptions:
         return {"network": self.network, "chunk_bytes": self.chunk_bytes, "comm_streams": self.comm_streams,
                 "stragglers": {str(k): v for k, v in self.stragglers.items()},
                 "degraded_links": dict(self.degraded_links), "failed_links": list(self.failed_links),
-                "message_overhead_s": self.message_overhead_s, "symmetry": self.symmetry}
+                "message_overhead_s": self.message_overhead_s, "merge_window_s": self.merge_window_s,
+                "symmetry": self.symmetry}
 
 
 class Simulation:
@@ -113,10 +114,7 @@ class Simulation:
             raise DesError(f"straggler device {bad[0]} is not in {spmd.mesh} (devices 0..{n - 1})")
         self.env = simpy.Environment()
         topo = placement.topology
-        try:
-            factors = link_factors(topo, options.degraded_links, options.failed_links)
-        except PartirError as exc:
-            raise DesError(str(exc)) from None
+        factors = link_factors(topo, options.degraded_links, options.failed_links)
         self.router = Router(topo, factors)
         pc = analyze(spmd.program)
         self.times = compute_times(pc, spec)
@@ -152,16 +150,18 @@ class Simulation:
         self._groups: dict[tuple[str, ...], Groups] = {}
         self._plans: dict[tuple, tuple[Any, list[StepPlan]]] = {}
         self.walkers = 0
+        self.live = 0
+        self.max_live = 0
         self.colls_finished = 0
         self.step_s = float("nan")
         self.events = 0
         self.wall_s = 0.0
 
     # -- wiring called by gates, walkers and collectives ---------------------------------------------
-    def spawn(self, devices: np.ndarray, factor: float, pos: int) -> None:
+    def spawn(self, devices: np.ndarray, factor: float, pos: int, lag: float = 0.0) -> None:
         if self.options.symmetry:
             self.walkers += 1
-            self.env.process(Walker(self, devices, factor, pos).run())
+            self.env.process(Walker(self, devices, factor, pos, lag).run())
             return
         for d in devices.tolist():
             self.walkers += 1
@@ -246,7 +246,7 @@ class Simulation:
         with np.errstate(divide="ignore", invalid="ignore"):
             util = np.where(bw > 0, net.link_bytes / (bw * step), 0.0) if step > 0 else np.zeros(len(bw))
         used = net.link_bytes > 0
-        order = np.argsort(-net.link_bytes, kind="stable")[:self.options.top_links]
+        order = np.lexsort((-net.link_bytes, -util))[:self.options.top_links]     # busiest first
         links = tuple(LinkRow(int(i), str(topo.links[i]), topo.links[i].kind, float(net.link_bytes[i]),
                               float(util[i]), int(net.link_max_flows[i]), self.router.factors.get(int(i), 1.0))
                       for i in order if used[i])
@@ -258,7 +258,7 @@ class Simulation:
             mean_link_utilization=float(util[used].mean()) if used.any() else 0.0,
             max_link_utilization=float(util.max()) if len(util) else 0.0,
             links_used=int(used.sum()), num_links=len(bw), events=self.events, wall_s=self.wall_s,
-            flows=int(net.flows), walkers=self.walkers, options=self.options.to_json(),
+            flows=int(net.flows), walkers=self.walkers, classes=self.max_live, options=self.options.to_json(),
             faults=tuple(self.router.describe_faults()), rerouted_routes=len(self.router.rerouted),
             collectives=tuple(rows), top_links=links, link_utilization=tuple(util.tolist()))
 

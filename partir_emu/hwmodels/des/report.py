@@ -79,7 +79,8 @@ class DesReport:
     events: int
     wall_s: float
     flows: int
-    walkers: int                   # device-class processes spawned (N with symmetry off)
+    walkers: int                   # device-class processes spawned over the run
+    classes: int                   # most device classes alive at once (N with symmetry off)
     options: dict[str, Any]
     faults: tuple[str, ...]
     rerouted_routes: int
@@ -117,7 +118,8 @@ class DesReport:
         lines.append(f"links: {self.links_used} of {self.num_links} used, mean utilization "
                      f"{100 * self.mean_link_utilization:.1f}%, max {100 * self.max_link_utilization:.1f}%")
         lines.append(f"simulated {self.events} events, {self.flows} flows in {self.wall_s:.2f} s "
-                     f"({self.events_per_s:,.0f} events/s, {self.walkers} device-class processes)")
+                     f"({self.events_per_s:,.0f} events/s; devices in at most {self.classes} equivalence "
+                     f"class(es) at once)")
         if self.top_links:
             lines += ["", f"{'busiest links':<44}{'MB':>10}{'util':>8}{'flows':>7}"]
             for r in self.top_links[:top]:

@@ -24,12 +24,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir_emu.errors import PlacementError
+from partir_emu.errors import PartirError
 from partir_emu.hwmodels.topology import Link, Node, Topology
 
 
-class LinkSpecError(PlacementError):
-    """A degraded/failed link that does not name a link of the topology."""
+class DesError(PartirError):
+    """A bad DES option (straggler, link, network kind) or an inconsistent run."""
+
+
+class LinkSpecError(DesError):
+    """A degraded/failed link that does not name a link of the topology, or failures that disconnect it."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,185 @@
+"""``partir-emu simulate-des``, ``partir-emu validate`` and ``partir-emu replay``.
+
+Registered by :func:`partir_emu.cli._register_extras` through :func:`add_subcommands`.
+Imports neither jax nor the compiler at module level: lowering happens inside the
+command functions (abstract tracing, no arrays).
+"""
+from __future__ import annotations
+
+import sys
+
+from partir_emu.errors import PartirError
+
+
+class DesArgumentError(PartirError):
+    """A bad ``simulate-des`` / ``validate`` / ``replay`` command-line value."""
+
+
+def add_subcommands(sub) -> None:
+    from partir_emu.cli import _add_common
+
+    p = sub.add_parser("simulate-des", help="simulate one step with the discrete-event model (links, contention)")
+    _add_common(p)
+    _hardware_args(p)
+    p.add_argument("--overlap", action="store_true", help="overlap compute and communication (as simulate)")
+    p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",
+                   help="collective algorithm(s), as for `simulate` (default: as the runtime would choose)")
+    p.add_argument("--network", choices=("flow", "chunk"), default="flow",
+                   help="flow: max-min fair flows (default); chunk: store-and-forward chunks")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="chunk size for --network chunk")
+    p.add_argument("--comm-streams", type=int, default=1,
+                   help="collectives a device runs at once (default 1, as the analytical overlap model)")
+    p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR",
+                   help="device DEVICE computes FACTOR times slower (repeatable)")
+    p.add_argument("--message-overhead", type=float, default=0.0, metavar="SECONDS",
+                   help="a sender posts the messages of a step one after another, this long each")
+    p.add_argument("--merge-window", type=float, default=50e-6, metavar="SECONDS",
+                   help="devices finishing a collective this close together resume together (0 = exact)")
+    p.add_argument("--no-symmetry", action="store_true", help="simulate every device as its own process")
+    p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--trace-devices", type=int, default=8, help="devices in the trace (default %(default)s)")
+    p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
+    p.add_argument("--top", type=int, default=10, help="links and collectives to list (default %(default)s)")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.set_defaults(fn=cmd_simulate_des)
+
+    p = sub.add_parser("validate", help="analytical model vs DES on a suite of cases: errors, rankings, plot")
+    p.add_argument("--suite", default="default", help="suite name (default, quick; default %(default)s)")
+    p.add_argument("--cases", default=None, metavar="FILE.jsonl",
+                   help="run these cases instead (one JSON object per line: scenario, strategy, hardware, mesh, "
+                        "preset, overrides, placement, overlap)")
+    p.add_argument("--report", default=None, metavar="FILE.json", help="write the JSON report here")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write the predicted-vs-simulated scatter")
+    p.add_argument("--cache", default=None, metavar="DIR", help="keep lowered programs here between runs")
+    p.add_argument("--progress", action="store_true", help="print each case as it finishes (always on a tty)")
+    p.add_argument("--no-check", action="store_true", help="exit 0 even if the thresholds are not met")
+    p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("replay", help="replay an MPI message trace on a hardware model and check it")
+    p.add_argument("trace", help="message trace (JSON lines) from `run --backend mpi --trace-messages`")
+    _hardware_args(p)
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.set_defaults(fn=cmd_replay)
+
+
+def _hardware_args(p) -> None:
+    p.add_argument("--hardware", default="tpu-v4", help="spec name or .toml path (default %(default)s)")
+    p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...", help="e.g. model=x,batch=yz")
+    p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC", help="TPU slice shape")
+    p.add_argument("--degrade-link", action="append", default=[], metavar="LINK:FACTOR",
+                   help="run LINK (A->B one way, A-B both ways, #ID) at FACTOR of its bandwidth (repeatable)")
+    p.add_argument("--fail-link", action="append", default=[], metavar="LINK",
+                   help="LINK carries nothing; routes detour around it (repeatable)")
+
+
+def _pairs(items: list[str], what: str, key_int: bool) -> dict:
+    out: dict = {}
+    for item in items:
+        k, sep, v = item.rpartition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(k) if key_int else k] = float(v)
+        except ValueError:
+            raise DesArgumentError(f"{what} {item!r}: write {'DEVICE' if key_int else 'LINK'}:FACTOR, "
+                                   f"e.g. {'3:1.5' if key_int else '0->1:0.5'}") from None
+    return out
+
+
+def _options(args, **kw):
+    from partir_emu.hwmodels.des.model import DesOptions
+    return DesOptions(degraded_links=_pairs(args.degrade_link, "--degrade-link", False),
+                      failed_links=tuple(args.fail_link), **kw)
+
+
+# -- simulate-des -----------------------------------------------------------------------------------------
+def cmd_simulate_des(args) -> int:
+    import time
+
+    from partir_emu.cli import _experiment, _write_report
+    from partir_emu.hwmodels.analytical import simulate
+    from partir_emu.hwmodels.cli import parse_algorithms, parse_slice
+    from partir_emu.hwmodels.des.model import simulate_des
+    from partir_emu.hwmodels.placement import place
+    from partir_emu.hwmodels.specs import load_spec
+
+    spec = load_spec(args.hardware)
+    algorithms = parse_algorithms(args.algorithm)
+    options = _options(args, network=args.network, chunk_bytes=args.chunk_bytes, comm_streams=args.comm_streams,
+                       stragglers=_pairs(args.straggler, "--straggler", True),
+                       message_overhead_s=args.message_overhead, merge_window_s=args.merge_window,
+                       symmetry=not args.no_symmetry, trace=args.trace is not None,
+                       trace_devices=args.trace_devices, progress=True if args.progress else None,
+                       top_links=max(args.top, 1))
+    exp = _experiment(args)
+    placement = place(exp.mesh, spec, args.placement, parse_slice(args.slice_dims))
+    t0 = time.perf_counter()
+    spmd = exp.lower().spmd
+    lower_s = time.perf_counter() - t0
+    ana = simulate(spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
+    des = simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options,
+                       trace_path=args.trace)
+    err = (ana.step_s - des.step_s) / des.step_s if des.step_s > 0 else 0.0
+    rep = {"scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg, "mesh": dict(exp.mesh.axes),
+           "devices": exp.mesh.size, "hardware": spec.name, "lower_s": lower_s,
+           "analytical_s": ana.step_s, "des_s": des.step_s, "rel_err": abs(err), "signed_err": err}
+    rep.update(des.to_json(link_utilization=True))
+    _write_report(rep, args.report)
+    print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}")
+    print(des.table(top=args.top))
+    print(f"\nanalytical: {ana.step_s * 1e3:.4f} ms   DES: {des.step_s * 1e3:.4f} ms   "
+          f"(analytical - DES) / DES = {100 * err:+.2f}%")
+    for path in (args.trace, args.report):
+        if path:
+            print(f"wrote {path}")
+    return 0
+
+
+# -- validate -------------------------------------------------------------------------------------------------
+def cmd_validate(args) -> int:
+    from partir_emu.cli import _write_report
+    from partir_emu.hwmodels.des.validate import get_suite, parse_cases, run_suite
+
+    if args.cases:
+        try:
+            with open(args.cases) as f:
+                cases = parse_cases(f)
+        except OSError as exc:
+            raise DesArgumentError(f"--cases {args.cases}: {exc.strerror}") from None
+        name = args.cases
+    else:
+        cases = get_suite(args.suite)
+        name = args.suite
+    show = args.progress or sys.stderr.isatty()
+
+    def on_case(i: int, n: int, r) -> None:
+        if show:
+            print(f"[{i + 1}/{n}] {r.case.model} {r.case.label} on {r.case.hardware}: analytical "
+                  f"{r.analytical_s * 1e3:.3f} ms, DES {r.des_s * 1e3:.3f} ms ({100 * r.signed_err:+.2f}%, "
+                  f"{r.des_wall_s:.1f} s)", file=sys.stderr, flush=True)
+
+    rep = run_suite(cases, cache_dir=args.cache, on_case=on_case)
+    rep = type(rep)(name, rep.results, rep.wall_s, rep.lower_s)
+    print(rep.table())
+    _write_report(rep.to_json(), args.report)
+    if args.plot:
+        rep.plot(args.plot)
+    for path in (args.report, args.plot):
+        if path:
+            print(f"wrote {path}")
+    return 0 if (rep.passed() or args.no_check) else 1
+
+
+# -- replay ---------------------------------------------------------------------------------------------------
+def cmd_replay(args) -> int:
+    from partir_emu.cli import _write_report
+    from partir_emu.hwmodels.cli import parse_slice
+    from partir_emu.hwmodels.des.replay import read_message_trace, replay
+
+    head, rows = read_message_trace(args.trace)
+    rep = replay(head, rows, args.hardware, args.placement, parse_slice(args.slice_dims), _options(args))
+    print(rep.table())
+    _write_report(rep.to_json(), args.report)
+    if args.report:
+        print(f"wrote {args.report}")
+    return 0 if rep.check.ok else 1

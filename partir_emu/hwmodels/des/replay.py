@@ -1,0 +1,336 @@
+"""Replay an MPI message trace on the DES, and check it against the schedules.
+
+The MPI emulator (``partir-emu run --backend mpi --trace-messages FILE``) writes
+every transfer it made as JSON lines (format owned by
+:mod:`partir_emu.runtime.worker`): a header
+``{"format": "partir-emu-message-trace", "version": 1, "mesh": [[axis, size], ...],
+"algorithm": ..., "collectives": {"<eqn>": {"prim", "axes", "bytes"}}, ...}`` then
+one line per transfer ``{"coll": eqn, "step": s, "src": device, "dst": device,
+"bytes": n}`` (``"nbytes"`` is accepted too).
+
+- :func:`check_trace` rebuilds, for every collective of the header, the schedule
+  the MPI executor runs (``build_schedule(prim, axis sizes, bytes, algorithm)``
+  over every group ``mesh.groups(axes)``) and compares transfer by transfer: counts
+  and bytes per collective and per step must be equal. The element size is taken
+  from the header (``"itemsize"`` per collective) when present, else the one of
+  4, 2, 8, 1 bytes whose schedule the trace matches (it matters only when the
+  buffer does not split evenly).
+- :func:`replay` runs the recorded transfers on the modelled hardware: each
+  collective's steps with the DES's per-member ``sendrecv`` dependencies, the
+  collectives one after the other per device (one communication stream), every
+  message routed and sharing links. No compute: the result is the communication
+  time of the recorded traffic on that machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import simpy
+
+from partir_emu.collectives.algorithms import build_schedule
+from partir_emu.compiler.mesh import Mesh
+from partir_emu.errors import ArtifactError
+from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, build_plan
+from partir_emu.hwmodels.des.model import DesOptions
+from partir_emu.hwmodels.des.network import FlowNetwork
+from partir_emu.hwmodels.des.routing import Router, link_factors
+from partir_emu.hwmodels.placement import Placement, place
+from partir_emu.hwmodels.specs import HardwareSpec, load_spec
+
+TRACE_FORMAT = "partir-emu-message-trace"
+ITEMSIZES = (4, 2, 8, 1)
+
+
+def read_message_trace(path: str | os.PathLike) -> tuple[dict[str, Any], np.ndarray]:
+    """``(header, rows)``; rows are int64 ``[coll, step, src, dst, bytes]``."""
+    try:
+        with open(path) as f:
+            first = f.readline()
+            try:
+                head = json.loads(first)
+            except json.JSONDecodeError as exc:
+                raise ArtifactError(f"{path}: line 1 is not JSON ({exc}); expected the message-trace header") from None
+            if not isinstance(head, dict) or head.get("format") != TRACE_FORMAT:
+                raise ArtifactError(f"{path}: not a partir-emu message trace (line 1 has no "
+                                    f"\"format\": \"{TRACE_FORMAT}\"); write one with "
+                                    f"`partir-emu run --backend mpi --trace-messages FILE`")
+            rows = []
+            for i, line in enumerate(f, start=2):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                    rows.append((d["coll"], d["step"], d["src"], d["dst"], d["bytes"] if "bytes" in d else d["nbytes"]))
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ArtifactError(f"{path}: line {i} is not a transfer {{coll, step, src, dst, bytes}} "
+                                        f"({type(exc).__name__}: {exc})") from None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read message trace {path}: {exc.strerror}") from None
+    for key in ("mesh", "algorithm", "collectives"):
+        if key not in head:
+            raise ArtifactError(f"{path}: the header has no {key!r}")
+    return head, np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def write_message_trace(path: str | os.PathLike, head: Mapping[str, Any], rows: np.ndarray) -> None:
+    """Write ``(header, rows)`` in the same format (tests and tools)."""
+    with open(path, "w") as f:
+        f.write(json.dumps(dict(head), separators=(",", ":")) + "\n")
+        f.writelines(f'{{"coll":{c},"step":{s},"src":{a},"dst":{b},"bytes":{n}}}\n' for c, s, a, b, n in rows.tolist())
+
+
+# -- what the schedules predict ------------------------------------------------------------------------
+def expected_rows(head: Mapping[str, Any], coll: int, itemsize: int) -> np.ndarray:
+    """The transfers the MPI executor makes for collective ``coll`` of the header."""
+    mesh = Mesh.from_json(head["mesh"])
+    c = head["collectives"][str(coll)]
+    axes = tuple(c["axes"])
+    shape = tuple(mesh.axis_size(a) for a in axes)
+    if int(np.prod(shape)) == 1 or int(c["bytes"]) == 0:
+        return np.zeros((0, 5), dtype=np.int64)
+    sched = build_schedule(c["prim"], shape, int(c["bytes"]), head["algorithm"], itemsize=itemsize,
+                           devices_per_node=head.get("devices_per_node"))
+    out = []
+    for g in mesh.groups(axes):
+        for s, step in enumerate(sched.steps):
+            out += [(coll, s, g[t.src], g[t.dst], t.nbytes) for t in step.transfers]
+    return np.array(out, dtype=np.int64).reshape(-1, 5)
+
+
+@dataclass(frozen=True)
+class CollCheck:
+    coll: int
+    prim: str
+    axes: tuple[str, ...]
+    itemsize: int
+    expected_transfers: int
+    traced_transfers: int
+    expected_bytes: int
+    traced_bytes: int
+    equal: bool                  # the same multiset of (step, src, dst, bytes)
+    first_difference: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["axes"] = list(self.axes)
+        return d
+
+
+@dataclass(frozen=True)
+class TraceCheck:
+    algorithm: str
+    collectives: tuple[CollCheck, ...]
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(c.equal for c in self.collectives)
+
+    @property
+    def transfers(self) -> tuple[int, int]:
+        return (sum(c.expected_transfers for c in self.collectives), sum(c.traced_transfers for c in self.collectives))
+
+    @property
+    def bytes(self) -> tuple[int, int]:
+        return (sum(c.expected_bytes for c in self.collectives), sum(c.traced_bytes for c in self.collectives))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "ok": self.ok, "note": self.note,
+                "expected_transfers": self.transfers[0], "traced_transfers": self.transfers[1],
+                "expected_bytes": self.bytes[0], "traced_bytes": self.bytes[1],
+                "collectives": [c.to_json() for c in self.collectives]}
+
+
+def check_trace(head: Mapping[str, Any], rows: np.ndarray) -> TraceCheck:
+    """Compare the traced transfers with what the schedules predict, collective by collective."""
+    algorithm = head["algorithm"]
+    if algorithm == "native":
+        return TraceCheck(algorithm, (), "native MPI collectives move data inside the library: no transfers "
+                                         "are traced, nothing to compare")
+    by_coll: dict[int, np.ndarray] = {}
+    if len(rows):
+        order = np.argsort(rows[:, 0], kind="stable")
+        srt = rows[order]
+        cut = np.flatnonzero(np.diff(srt[:, 0])) + 1
+        for part in np.split(srt, cut):
+            by_coll[int(part[0, 0])] = part
+    checks = []
+    colls = sorted(int(k) for k in head["collectives"])
+    for extra in sorted(set(by_coll) - set(colls)):
+        part = by_coll[extra]
+        checks.append(CollCheck(extra, "?", (), 0, 0, len(part), 0, int(part[:, 4].sum()), False,
+                                f"collective {extra} is not in the header"))
+    for coll in colls:
+        c = head["collectives"][str(coll)]
+        got = by_coll.get(coll, np.zeros((0, 5), dtype=np.int64))
+        got_key = Counter(map(tuple, got[:, 1:].tolist()))
+        sizes = [int(c["itemsize"])] if "itemsize" in c else list(ITEMSIZES)
+        best = None
+        for isz in sizes:
+            try:
+                exp = expected_rows(head, coll, isz)
+            except Exception:          # noqa: BLE001 - an itemsize the buffer cannot have
+                continue
+            equal = Counter(map(tuple, exp[:, 1:].tolist())) == got_key
+            if best is None or equal:
+                best = (isz, exp, equal)
+            if equal:
+                break
+        if best is None:
+            checks.append(CollCheck(coll, c["prim"], tuple(c["axes"]), 0, 0, len(got), 0, int(got[:, 4].sum()),
+                                    False, "no schedule can be built for this collective"))
+            continue
+        isz, exp, equal = best
+        diff = ""
+        if not equal:
+            e = Counter(map(tuple, exp[:, 1:].tolist()))
+            missing = e - got_key
+            unexpected = got_key - e
+            if missing:
+                s, a, b, n = next(iter(missing))
+                diff = f"step {s}: {a}->{b} {n} B expected, not traced"
+            elif unexpected:
+                s, a, b, n = next(iter(unexpected))
+                diff = f"step {s}: {a}->{b} {n} B traced, not expected"
+        checks.append(CollCheck(coll, c["prim"], tuple(c["axes"]), isz, len(exp), len(got), int(exp[:, 4].sum()),
+                                int(got[:, 4].sum()), equal, diff))
+    return TraceCheck(algorithm, tuple(checks))
+
+
+# -- replaying the traffic on the DES ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayReport:
+    spec: str
+    topology: str
+    placement: str
+    algorithm: str
+    comm_s: float                         # all devices done with the last collective
+    analytical_comm_s: float              # sum of the analytical prices (same algorithm) of the same collectives
+    collectives: tuple[dict[str, Any], ...]
+    check: TraceCheck
+    messages: int
+    events: int
+    wall_s: float
+    top_links: tuple[dict[str, Any], ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec, "topology": self.topology, "placement": self.placement,
+                "algorithm": self.algorithm, "comm_s": self.comm_s, "analytical_comm_s": self.analytical_comm_s,
+                "messages": self.messages, "events": self.events, "wall_s": self.wall_s,
+                "check": self.check.to_json(), "collectives": list(self.collectives),
+                "top_links": list(self.top_links)}
+
+    def table(self) -> str:
+        et, tt = self.check.transfers
+        eb, tb = self.check.bytes
+        lines = [f"replay on {self.spec} | {self.topology}", f"placement: {self.placement}",
+                 f"algorithm {self.algorithm}: {len(self.collectives)} collectives, {self.messages} messages",
+                 f"transfers: traced {tt}, schedules predict {et};  bytes: traced {tb}, schedules predict {eb}"
+                 f"  -> {'EQUAL' if self.check.ok else 'DIFFERENT'}"]
+        if self.check.note:
+            lines.append(self.check.note)
+        for c in self.check.collectives:
+            if not c.equal:
+                lines.append(f"  coll {c.coll} {c.prim}({','.join(c.axes)}): traced {c.traced_transfers} transfers "
+                             f"/ {c.traced_bytes} B, expected {c.expected_transfers} / {c.expected_bytes} B; "
+                             f"{c.first_difference}")
+        lines.append(f"replayed communication time {self.comm_s * 1e3:.4f} ms "
+                     f"(analytical price of the same collectives {self.analytical_comm_s * 1e3:.4f} ms); "
+                     f"{self.events} events in {self.wall_s:.2f} s")
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+class _Replay:
+    """The few things a CollectiveRun needs from its simulation: env, network, options, and where to
+    report that members finished (the next collective starts for them)."""
+
+    def __init__(self, env: simpy.Environment, network: FlowNetwork, options: DesOptions) -> None:
+        self.env = env
+        self.network = network
+        self.options = options
+        self.runs: list[CollectiveRun] = []
+        self.end = None
+
+    def collective_done(self, run: CollectiveRun, devices: np.ndarray, t: float) -> None:
+        nxt = run.ci + 1
+        if nxt < len(self.runs):
+            self.runs[nxt].start(devices, t)
+        else:
+            self.end[devices] = t
+
+
+def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
+           placement: Placement | str | Mapping | None = None, slice_dims: tuple[int, ...] | None = None,
+           options: DesOptions | None = None) -> ReplayReport:
+    """Run the traced transfers on ``spec`` hardware (see the module docstring)."""
+    import time
+
+    from partir_emu.hwmodels.comm import CommModel
+
+    t0 = time.perf_counter()
+    spec = load_spec(spec)
+    options = options or DesOptions()
+    mesh = Mesh.from_json(head["mesh"])
+    if not isinstance(placement, Placement):
+        placement = place(mesh, spec, placement, slice_dims)
+    n = mesh.size
+    if len(rows) and (rows[:, 2:4].min() < 0 or rows[:, 2:4].max() >= n):
+        raise ArtifactError(f"the trace names device {int(rows[:, 2:4].max())}, but its mesh {mesh} has {n} devices")
+    check = check_trace(head, rows)
+    env = simpy.Environment()
+    router = Router(placement.topology, link_factors(placement.topology, options.degraded_links,
+                                                     options.failed_links))
+    network = FlowNetwork(env, router)
+    sim = _Replay(env, network, options)
+    chips = np.array([placement.chip_of(d) for d in range(n)], dtype=np.int64)
+    groups = Groups(("replay",), np.arange(n, dtype=np.int64)[None, :], chips[None, :], np.arange(n, dtype=np.int64))
+    colls = sorted(set(rows[:, 0].tolist())) if len(rows) else []
+    model = CommModel(placement, None if head["algorithm"] == "native" else head["algorithm"])
+    ana = 0.0
+    messages = 0
+    for ci, coll in enumerate(colls):
+        part = rows[rows[:, 0] == coll]
+        plans = []
+        for s in sorted(set(part[:, 1].tolist())):
+            st = part[part[:, 1] == s]
+            pairs: dict[tuple[int, int], int] = {}
+            for a, b, nb in st[:, 2:5].tolist():
+                pairs[(a, b)] = pairs.get((a, b), 0) + nb
+            ms = np.array([k[0] for k in pairs], dtype=np.int64)
+            md = np.array([k[1] for k in pairs], dtype=np.int64)
+            mb = np.array(list(pairs.values()), dtype=np.float64)
+            messages += len(pairs)
+            plans.append(build_plan(ms, md, mb, 1, n, chips, router))
+        meta = head["collectives"].get(str(coll), {"prim": "?", "axes": [], "bytes": 0})
+        sim.runs.append(CollectiveRun(sim, ci, coll, meta["prim"], tuple(meta["axes"]), int(meta["bytes"]),
+                                      head["algorithm"], groups, plans))
+        if meta["prim"] != "?" and head["algorithm"] != "native":
+            ana += model.cost(meta["prim"], tuple(meta["axes"]), int(meta["bytes"])).time_s
+    sim.end = np.zeros(n)
+    if sim.runs:
+        sim.runs[0].start(np.arange(n, dtype=np.int64), 0.0)
+    events = 0
+    try:
+        while True:
+            env.step()
+            events += 1
+    except simpy.core.EmptySchedule:
+        pass
+    rows_out = tuple({"coll": r.index, "prim": r.prim, "axes": list(r.axes), "steps": r.num_steps,
+                      "start_s": float(np.nanmin(r.t_start)), "end_s": float(np.nanmax(r.t_end)),
+                      "max_link_flows": r.max_flows} for r in sim.runs)
+    topo = placement.topology
+    order = np.argsort(-network.link_bytes, kind="stable")[:10]
+    top = tuple({"link": str(topo.links[i]), "bytes": float(network.link_bytes[i])}
+                for i in order if network.link_bytes[i] > 0)
+    return ReplayReport(spec.name, topo.describe(), placement.describe(), head["algorithm"],
+                        float(sim.end.max()) if n else 0.0, ana, rows_out, check, messages, events,
+                        time.perf_counter() - t0, top)

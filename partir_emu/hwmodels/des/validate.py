@@ -1,0 +1,414 @@
+"""Analytical vs DES on a suite of (scenario, strategy, hardware, mesh, placement) cases.
+
+``run_suite(cases)`` lowers each program once (cached per scenario, size, strategy and
+mesh, in memory and optionally on disk), prices it with ``analytical.simulate`` and
+runs it through ``simulate_des`` on the same placement, then reports per case the
+predicted and simulated step times and ``rel_err = |analytical - DES| / DES``,
+the error statistics, and the ranking of strategies per (model, hardware, devices)
+under each model. Where the analytical model is optimistic (DES slower) the case
+says why, from the DES's per-collective contention records: concurrent groups of
+one collective sharing a link, other collectives' flows on it, or members running
+ahead of each other inside a collective.
+
+The default suite (>= 20 cases, 8 to 2048 chips, TPU v4 and H100, MLP and
+transformer strategies) runs in well under a CI minute budget; its acceptance
+thresholds are :data:`MEDIAN_MAX` and :data:`MAX_MAX` with identical rankings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partir_emu.errors import PartirError
+
+MEDIAN_MAX = 0.05
+MAX_MAX = 0.15
+
+
+class ValidationError(PartirError):
+    """An unknown suite or an unusable case."""
+
+
+@dataclass(frozen=True)
+class Case:
+    scenario: str
+    strategy: str
+    hardware: str
+    mesh: str                                   # "batch=16,model=4"
+    preset: str | None = None
+    overrides: str | None = None
+    placement: str | None = None                # "model=x,batch=yz"
+    overlap: bool = False
+
+    @property
+    def model(self) -> str:
+        return f"{self.scenario}/{self.preset or 'default'}" + (f"[{self.overrides}]" if self.overrides else "")
+
+    @property
+    def label(self) -> str:
+        return (f"{self.strategy}@{self.mesh}" + (f" [{self.placement}]" if self.placement else "")
+                + (" overlap" if self.overlap else ""))
+
+    @property
+    def ranking_key(self) -> tuple:
+        """Strategies are ranked against each other on the same model, hardware and chip count
+        (default placement; overlap on or off)."""
+        return (self.model, self.hardware, self.devices, self.overlap, self.placement)
+
+    @property
+    def devices(self) -> int:
+        n = 1
+        for part in self.mesh.split(","):
+            n *= int(part.split("=")[1])
+        return n
+
+
+def _c(scenario: str, strategy: str, hardware: str, mesh: str, **kw: Any) -> Case:
+    if scenario == "mlp":
+        kw.setdefault("preset", "full")
+        kw.setdefault("overrides", "layers=2")
+    else:
+        kw.setdefault("preset", "t32")
+        kw.setdefault("overrides", "layers=2")
+    return Case(scenario, strategy, hardware, mesh, **kw)
+
+
+SUITES: dict[str, tuple[Case, ...]] = {
+    "default": (
+        # TPU v4 (3D torus; 8 and 64 chips without / with wraparound, 256 and 2048 chips)
+        _c("mlp", "bp", "tpu-v4", "batch=8"),
+        _c("mlp", "mp", "tpu-v4", "model=8"),
+        _c("mlp", "bp+mp", "tpu-v4", "batch=2,model=4"),
+        _c("mlp", "z3", "tpu-v4", "batch=8"),
+        _c("mlp", "bp", "tpu-v4", "batch=64"),
+        _c("mlp", "bp+mp", "tpu-v4", "batch=16,model=4"),
+        _c("mlp", "bp+mp", "tpu-v4", "batch=8,model=8"),      # batch strided over y: its groups share links
+        _c("mlp", "z3", "tpu-v4", "batch=64"),
+        _c("transformer", "bp", "tpu-v4", "batch=256"),
+        _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4"),
+        _c("transformer", "bp+mp+z3", "tpu-v4", "batch=64,model=4"),
+        _c("transformer", "bp+mp", "tpu-v4", "batch=16,model=16"),
+        _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4", placement="model=x,batch=yz"),
+        _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4", overlap=True),
+        _c("transformer", "bp+mp", "tpu-v4", "batch=128,model=16"),
+        _c("transformer", "bp+mp+z3", "tpu-v4", "batch=128,model=16"),
+        # H100 (NVSwitch nodes, InfiniBand fat tree)
+        _c("mlp", "bp", "h100", "batch=8"),
+        _c("mlp", "mp", "h100", "model=8"),
+        _c("mlp", "bp+mp", "h100", "batch=2,model=4"),
+        _c("mlp", "bp", "h100", "batch=64"),
+        _c("mlp", "bp+mp", "h100", "batch=8,model=8"),
+        _c("mlp", "z3", "h100", "batch=64"),
+        _c("transformer", "bp", "h100", "batch=64"),
+        _c("transformer", "bp+mp", "h100", "batch=8,model=8"),
+        _c("transformer", "bp+mp+z3", "h100", "batch=8,model=8"),
+        _c("transformer", "bp+mp", "h100", "batch=8,model=8", overlap=True),
+        _c("transformer", "bp+mp", "h100", "batch=64,model=8"),
+        _c("transformer", "bp+mp+z3", "h100", "batch=64,model=8"),
+    ),
+}
+SUITES["quick"] = tuple(c for c in SUITES["default"] if c.devices <= 64 and c.scenario == "mlp")
+
+
+def get_suite(name: str) -> tuple[Case, ...]:
+    if name not in SUITES:
+        raise ValidationError(f"unknown validation suite {name!r}; suites: {', '.join(sorted(SUITES))}")
+    return SUITES[name]
+
+
+# -- lowering (the only step that needs the compiler, imported lazily) ---------------------------------
+class ProgramCache:
+    """Lowered SpmdPrograms per (scenario, preset, overrides, strategy, mesh); on disk too if ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.directory = Path(directory) if directory else None
+        self._mem: dict[tuple, Any] = {}
+        self.lower_s = 0.0
+
+    def get(self, case: Case):
+        key = (case.scenario, case.preset, case.overrides, case.strategy, case.mesh)
+        hit = self._mem.get(key)
+        if hit is not None:
+            return hit
+        from partir_emu.compiler.spmd import SpmdProgram
+        path = None
+        if self.directory is not None:
+            name = "_".join(str(k).replace("/", "-").replace(",", "-").replace("=", "") for k in key) + ".json"
+            path = self.directory / name
+            if path.is_file():
+                spmd = self._mem[key] = SpmdProgram.load(path)
+                return spmd
+        t0 = time.perf_counter()
+        from partir_emu.compiler.mesh import Mesh
+        from partir_emu.experiment import Experiment
+        spmd = Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh), case.preset, case.overrides).lower().spmd
+        self.lower_s += time.perf_counter() - t0
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            spmd.save(path)
+        self._mem[key] = spmd
+        return spmd
+
+
+# -- one case -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CaseResult:
+    case: Case
+    analytical_s: float
+    des_s: float
+    compute_s: float
+    analytical_comm_s: float
+    des_wall_s: float
+    events: int
+    why: str = ""
+    details: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rel_err(self) -> float:
+        return abs(self.analytical_s - self.des_s) / self.des_s if self.des_s > 0 else 0.0
+
+    @property
+    def signed_err(self) -> float:
+        """(analytical - DES) / DES: negative when the analytical model is optimistic."""
+        return (self.analytical_s - self.des_s) / self.des_s if self.des_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.case
+        return {"scenario": c.scenario, "preset": c.preset, "overrides": c.overrides, "strategy": c.strategy,
+                "hardware": c.hardware, "mesh": c.mesh, "devices": c.devices, "placement": c.placement,
+                "overlap": c.overlap, "model": c.model, "label": c.label,
+                "analytical_s": self.analytical_s, "des_s": self.des_s, "rel_err": self.rel_err,
+                "signed_err": self.signed_err, "compute_s": self.compute_s,
+                "analytical_comm_s": self.analytical_comm_s, "des_wall_s": self.des_wall_s, "events": self.events,
+                "why": self.why, **self.details}
+
+
+def run_case(case: Case, programs: ProgramCache, **des_kw: Any) -> CaseResult:
+    from partir_emu.hwmodels.analytical import simulate
+    from partir_emu.hwmodels.des.model import simulate_des
+    from partir_emu.hwmodels.placement import place
+    from partir_emu.hwmodels.specs import load_spec
+
+    spmd = programs.get(case)
+    spec = load_spec(case.hardware)
+    placement = place(spmd.mesh, spec, case.placement)
+    ana = simulate(spmd, spec, placement, overlap=case.overlap)
+    des = simulate_des(spmd, spec, placement, case.overlap, **des_kw)
+    why, details = explain(ana, des)
+    details["placement_described"] = placement.describe()
+    return CaseResult(case, ana.step_s, des.step_s, ana.compute_s, ana.comm_s, des.wall_s, des.events, why, details)
+
+
+def explain(ana, des, threshold: float = 0.005) -> tuple[str, dict[str, Any]]:
+    """Why the DES is slower than the analytical model (empty when it is not, by more than ``threshold``):
+    the collectives that take longer in the DES, grouped by cause, largest excess first."""
+    if des.step_s <= ana.step_s * (1 + threshold):
+        return "", {}
+    by_index = {r.index: r for r in ana.collectives}
+    causes: dict[tuple, list[float]] = {}
+    for r in des.collectives:
+        a = by_index.get(r.index)
+        if a is None:
+            continue
+        extra = r.duration_s - a.time_s
+        if extra <= 1e-12 + 1e-6 * a.time_s:
+            continue
+        if r.contention == "groups":
+            key = ("groups", r.prim, r.axes, r.worst_link, r.max_link_flows, r.group_link_flows)
+        elif r.contention == "other":
+            key = ("other", r.prim, r.axes, r.worst_link, r.max_link_flows, r.own_link_flows)
+        else:
+            key = ("async", r.prim, r.axes, "", 0, 0)
+        causes.setdefault(key, []).append(extra)
+    parts, rows = [], []
+    gap = des.step_s - ana.step_s
+    for key, extras in sorted(causes.items(), key=lambda kv: -sum(kv[1])):
+        kind, prim, axes, link, k, base = key
+        total = sum(extras)
+        if rows and total < 0.01 * gap:
+            break
+        what = f"{len(extras)} {prim} over ({','.join(axes)}) +{total * 1e3:.3f} ms"
+        if kind == "groups":
+            why = (f"contention on link {link}: {k} flows of the collective's concurrent groups where one group "
+                   f"puts {base} (the analytical model prices one group alone)")
+        elif kind == "other":
+            why = f"contention on link {link}: {k} flows, {k - base} of them from other collectives in flight"
+        else:
+            why = "members run ahead of each other inside the collective (no step barrier), so steps overlap"
+        parts.append(f"{what}: {why}")
+        rows.append({"cause": kind, "prim": prim, "axes": list(axes), "link": link, "count": len(extras),
+                     "extra_s": total})
+    head = f"DES {gap * 1e3:.3f} ms slower ({100 * gap / des.step_s:.1f}%)"
+    return head + ("; " + "; ".join(parts[:3]) if parts else ""), {"causes": rows}
+
+
+# -- the suite --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValidationReport:
+    suite: str
+    results: tuple[CaseResult, ...]
+    wall_s: float
+    lower_s: float
+
+    @property
+    def median_rel_err(self) -> float:
+        return statistics.median(r.rel_err for r in self.results) if self.results else 0.0
+
+    @property
+    def max_rel_err(self) -> float:
+        return max((r.rel_err for r in self.results), default=0.0)
+
+    @property
+    def mean_rel_err(self) -> float:
+        return statistics.fmean(r.rel_err for r in self.results) if self.results else 0.0
+
+    def rankings(self) -> list[dict[str, Any]]:
+        groups: dict[tuple, list[CaseResult]] = {}
+        for r in self.results:
+            groups.setdefault(r.case.ranking_key, []).append(r)
+        out = []
+        for key, rs in groups.items():
+            if len(rs) < 2:
+                continue
+            ana = [r.case.label for r in sorted(rs, key=lambda r: (r.analytical_s, r.case.label))]
+            des = [r.case.label for r in sorted(rs, key=lambda r: (r.des_s, r.case.label))]
+            model, hw, n, overlap, placement = key
+            out.append({"model": model, "hardware": hw, "devices": n, "overlap": overlap, "placement": placement,
+                        "analytical": ana, "des": des, "agree": ana == des})
+        return out
+
+    @property
+    def rankings_agree(self) -> bool:
+        return all(r["agree"] for r in self.rankings())
+
+    def passed(self, median_max: float = MEDIAN_MAX, max_max: float = MAX_MAX) -> bool:
+        return self.median_rel_err <= median_max and self.max_rel_err <= max_max and self.rankings_agree
+
+    def failures(self, median_max: float = MEDIAN_MAX, max_max: float = MAX_MAX) -> list[str]:
+        out = []
+        if self.median_rel_err > median_max:
+            out.append(f"median |analytical - DES| / DES = {100 * self.median_rel_err:.2f}% > {100 * median_max:g}%")
+        if self.max_rel_err > max_max:
+            worst = max(self.results, key=lambda r: r.rel_err)
+            out.append(f"max |analytical - DES| / DES = {100 * self.max_rel_err:.2f}% > {100 * max_max:g}% "
+                       f"({worst.case.model} {worst.case.label} on {worst.case.hardware})")
+        for r in self.rankings():
+            if not r["agree"]:
+                out.append(f"rankings differ for {r['model']} on {r['hardware']} x{r['devices']}: "
+                           f"analytical {r['analytical']} vs DES {r['des']}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"suite": self.suite, "cases": [r.to_json() for r in self.results],
+                "median_rel_err": self.median_rel_err, "max_rel_err": self.max_rel_err,
+                "mean_rel_err": self.mean_rel_err, "rankings": self.rankings(),
+                "rankings_agree": self.rankings_agree, "thresholds": {"median": MEDIAN_MAX, "max": MAX_MAX},
+                "passed": self.passed(), "wall_s": self.wall_s, "lower_s": self.lower_s}
+
+    def table(self) -> str:
+        lines = [f"validation suite {self.suite!r}: {len(self.results)} cases, analytical vs DES",
+                 f"{'model':<26}{'hardware':<8}{'chips':>6}  {'strategy@mesh':<40}{'analytical':>12}"
+                 f"{'DES':>12}{'error':>8}"]
+        for r in self.results:
+            c = r.case
+            lines.append(f"{c.model[:25]:<26}{c.hardware:<8}{c.devices:>6}  {c.label[:39]:<40}"
+                         f"{_ms(r.analytical_s):>12}{_ms(r.des_s):>12}{100 * r.signed_err:>+7.2f}%")
+        lines += ["", f"|analytical - DES| / DES: median {100 * self.median_rel_err:.2f}%, mean "
+                      f"{100 * self.mean_rel_err:.2f}%, max {100 * self.max_rel_err:.2f}%   (limits "
+                      f"{100 * MEDIAN_MAX:g}% / {100 * MAX_MAX:g}%)"]
+        lines += ["", "strategy rankings (fastest first):"]
+        for rk in self.rankings():
+            extra = (" overlap" if rk["overlap"] else "") + (f" [{rk['placement']}]" if rk["placement"] else "")
+            lines.append(f"  {rk['model']} on {rk['hardware']} x{rk['devices']}{extra}: "
+                         f"{'agree' if rk['agree'] else 'DIFFER'}")
+            lines.append(f"    analytical: {' < '.join(rk['analytical'])}")
+            if not rk["agree"]:
+                lines.append(f"    DES:        {' < '.join(rk['des'])}")
+        why = [r for r in self.results if r.why]
+        if why:
+            lines += ["", "where the analytical model is optimistic:"]
+            for r in why:
+                lines.append(f"  {r.case.model} {r.case.label} on {r.case.hardware}: {r.why}")
+        lines.append("")
+        lines.append("PASS" if self.passed() else "FAIL: " + "; ".join(self.failures()))
+        lines.append(f"({self.wall_s:.1f} s, of which lowering {self.lower_s:.1f} s)")
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike) -> None:
+        """Scatter of predicted vs simulated step time (log-log) with the 5% and 15% bands."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.4, 6.0))
+        colors = {"tpu-v4": "tab:blue", "h100": "tab:green"}
+        markers = {"mlp": "o", "transformer": "s"}
+        xs = [r.des_s * 1e3 for r in self.results] + [r.analytical_s * 1e3 for r in self.results]
+        lo, hi = min(xs) / 1.5, max(xs) * 1.5
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="analytical = DES")
+        for f, style in ((MEDIAN_MAX, ":"), (MAX_MAX, "--")):
+            ax.plot([lo, hi], [lo * (1 + f), hi * (1 + f)], "k" + style, lw=0.6, label=f"±{100 * f:g}%")
+            ax.plot([lo, hi], [lo * (1 - f), hi * (1 - f)], "k" + style, lw=0.6)
+        seen = set()
+        for r in self.results:
+            key = (r.case.hardware, r.case.scenario)
+            ax.scatter(r.des_s * 1e3, r.analytical_s * 1e3, c=colors.get(r.case.hardware, "tab:gray"),
+                       marker=markers.get(r.case.scenario, "^"), s=18 + 6 * len(str(r.case.devices)),
+                       label=f"{key[1]} on {key[0]}" if key not in seen else None, alpha=0.8)
+            seen.add(key)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("DES step time (ms)")
+        ax.set_ylabel("analytical step time (ms)")
+        ax.set_title(f"analytical vs DES, suite {self.suite!r}: median {100 * self.median_rel_err:.2f}%, "
+                     f"max {100 * self.max_rel_err:.2f}%", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+
+def run_suite(cases: Sequence[Case] | str = "default", *, cache_dir: str | os.PathLike | None = None,
+              on_case: Callable[[int, int, CaseResult], None] | None = None, **des_kw: Any) -> ValidationReport:
+    """Run every case; ``on_case(i, n, result)`` after each (for progress)."""
+    name = cases if isinstance(cases, str) else "custom"
+    cases = get_suite(cases) if isinstance(cases, str) else tuple(cases)
+    programs = ProgramCache(cache_dir)
+    t0 = time.perf_counter()
+    results = []
+    for i, case in enumerate(cases):
+        r = run_case(case, programs, **des_kw)
+        results.append(r)
+        if on_case is not None:
+            on_case(i, len(cases), r)
+    return ValidationReport(name, tuple(results), time.perf_counter() - t0, programs.lower_s)
+
+
+def parse_cases(lines: Iterable[str]) -> list[Case]:
+    """Cases from JSON lines (``{"scenario": ..., "strategy": ..., "hardware": ..., "mesh": ..., ...}``)."""
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            out.append(Case(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValidationError(f"case line {i + 1}: {exc}; write one JSON object per line with scenario, "
+                                  f"strategy, hardware, mesh (and optional preset, overrides, placement, overlap)"
+                                  ) from None
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
