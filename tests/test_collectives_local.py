@@ -105,3 +105,85 @@ def test_bad_buffers_raise(bufs, op, match):
     s = build_schedule("all_reduce", (4,), 16, "ring")
     with pytest.raises(CollectiveError, match=match):
         run_schedule(s, bufs, op)
+
+
+# ------------------------------------------------------- the executor is the schedule's semantics
+def _semantic_run(sched, bufs, op="sum"):
+    """The step semantics of schedule.py, chunk by chunk: every transfer sends the value its source
+    holds at the start of the step, then the values are applied in transfer order."""
+    fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    isz, cb = sched.itemsize, sched.chunk_bytes
+    state = []
+    for pos, b in enumerate(bufs):
+        st, off = {}, 0
+        for c in sched.input_chunks(pos):
+            k = cb[c] // isz
+            st[c] = b[off:off + k]
+            off += k
+        state.append(st)
+    for step in sched.steps:
+        sent = [[(c, state[t.src][c]) for c in t.chunks if cb[c]] for t in step.transfers]
+        for t, vals in zip(step.transfers, sent):
+            for c, v in vals:
+                state[t.dst][c] = fn(state[t.dst][c], v) if t.reduce else v
+    out = []
+    for pos, st in enumerate(state):
+        chunks = sched.output_chunks(pos)
+        if chunks is None:
+            out.append(np.zeros(sched.output_nbytes // isz, bufs[0].dtype))
+        else:
+            parts = [st[c] for c in chunks if cb[c]]
+            out.append(np.concatenate(parts) if parts else np.zeros(0, bufs[0].dtype))
+    return out
+
+
+def _bits_equal(a, b):
+    return all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(KINDS), alg=st.sampled_from(ALGORITHMS), shape=st.sampled_from(SHAPES + [(16,), (4, 8)]),
+       mult=st.integers(0, 9), extra=st.integers(0, 7), dtype=st.sampled_from([np.float32, np.float16, np.int64]),
+       op=st.sampled_from(["sum", "max"]), seed=st.integers(0, 2**31))
+def test_executor_is_bit_identical_to_the_step_semantics(kind, alg, shape, mult, extra, dtype, op, seed):
+    p = math.prod(shape)
+    n = p * mult + (extra if kind == "all_reduce" else 0)
+    rng = np.random.default_rng(seed)
+    perm = tuple((i, int(d)) for i, d in enumerate(rng.permutation(p)) if rng.random() < 0.7) \
+        if kind == "collective_permute" else None
+    isz = np.dtype(dtype).itemsize
+    sched = build_schedule(kind, shape, n * isz, alg, itemsize=isz, devices_per_node=2, permutation=perm)
+    size = n // p if kind == "all_gather" else n
+    bufs = [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4, size)).astype(dtype) for _ in range(p)]
+    assert _bits_equal(run_schedule(sched, bufs, op), _semantic_run(sched, bufs, op))
+
+
+def _hand_schedule(steps, p=3, n_chunks=3, nbytes=4 * 3 * 2):
+    from partir_emu.collectives.schedule import CollectiveSchedule, Step, Transfer
+    cb = nbytes // n_chunks
+    return CollectiveSchedule(kind="all_reduce", algorithm="ring", group_shape=(p,), nbytes=nbytes,
+                              num_chunks=n_chunks, itemsize=4, chunk_bytes=(cb,) * n_chunks,
+                              steps=tuple(Step(tuple(Transfer(s, d, cb * k, c, r, k) for s, d, c, r, k in st))
+                                          for st in steps))
+
+
+def test_overlapping_writes_in_a_step_apply_in_transfer_order():
+    # step 0: member 0 adds chunk 0 from 2 and then from 1 (order matters for floats); member 1
+    # sends chunk 1 to 2 while it receives chunk 1 from 0 (it must send its value from before the step)
+    sched = _hand_schedule([
+        [(2, 0, 0, True, 1), (1, 0, 0, True, 1), (1, 2, 1, True, 1), (0, 1, 1, True, 1), (2, 1, 2, True, 1),
+         (0, 1, 2, True, 1)],
+        [(0, 1, 0, False, 1), (0, 2, 0, False, 1), (1, 0, 1, False, 2), (2, 0, 1, True, 1)],
+    ])
+    bufs = [np.array([1e8, 1.0, 3.0, -1e8, 0.5, 2.0], np.float32) * (i + 1) for i in range(3)]
+    got, want = run_schedule(sched, bufs), _semantic_run(sched, bufs)
+    assert _bits_equal(got, want)
+    # and the order is really the schedule's: swapping the first two transfers changes the bits of chunk 0
+    steps = [list(st) for st in [[(1, 0, 0, True, 1), (2, 0, 0, True, 1)]]]
+    a = run_schedule(_hand_schedule(steps), [np.array([1e8, 1, 1, 1, 1, 1], np.float32),
+                                             np.array([1.0, 1, 1, 1, 1, 1], np.float32),
+                                             np.array([-1e8, 1, 1, 1, 1, 1], np.float32)])
+    b = run_schedule(_hand_schedule([[(2, 0, 0, True, 1), (1, 0, 0, True, 1)]]),
+                     [np.array([1e8, 1, 1, 1, 1, 1], np.float32), np.array([1.0, 1, 1, 1, 1, 1], np.float32),
+                      np.array([-1e8, 1, 1, 1, 1, 1], np.float32)])
+    assert a[0][0] != b[0][0]

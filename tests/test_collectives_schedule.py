@@ -213,3 +213,42 @@ def test_validate_catches_broken_schedules():
 def _fields(s: CollectiveSchedule) -> dict:
     return {k: getattr(s, k) for k in ("kind", "algorithm", "group_shape", "nbytes", "num_chunks", "steps",
                                        "chunk_bytes", "itemsize", "permutation", "layout")}
+
+
+# ------------------------------------------------------------------------ compact storage
+def test_built_schedules_are_tables_behind_the_steps_api():
+    s = build_schedule("all_reduce", (8,), 8 * 16 * 4, "bidir_ring")
+    tab = s.table()
+    assert len(tab) == sum(len(st.transfers) for st in s.steps) and tab.num_steps == s.num_steps
+    # the lazy steps behave as the tuple of Step objects
+    steps = tuple(s.steps)
+    assert s.steps == steps and steps == s.steps and hash(s.steps) == hash(steps)
+    assert s.steps[0] == steps[0] and s.steps[-1] == steps[-1] and s.steps[1:3] == steps[1:3]
+    assert (Step(()),) + s.steps[1:] == (Step(()),) + steps[1:]
+    # a schedule made from Step objects has the same table and compares equal
+    same = CollectiveSchedule(**{**_fields(s), "steps": steps})
+    assert same == s and same.table().same(tab)
+    assert same.num_messages() == s.num_messages() and same.total_bytes_sent() == s.total_bytes_sent()
+    assert same.touching([0, 3]) == s.touching([0, 3])
+    import pickle
+    back = pickle.loads(pickle.dumps(s))
+    assert back == s and back.table().same(tab)
+
+
+def test_touching_lists_transfers_of_the_positions():
+    s = build_schedule("all_reduce", (2, 4), 8 * 8 * 4, "torus")
+    got = s.touching([1, 6])
+    want = [[i for i, t in enumerate(st.transfers) if {t.src, t.dst} & {1, 6}] for st in s.steps]
+    assert got == want
+
+
+def test_big_ring_schedule_is_compact_and_lazy():
+    s = build_schedule("all_reduce", (1024,), 1024 * 64 * 4, "bidir_ring")
+    tab = s.table()
+    assert len(tab) == 2 * 1024 * 2 * 1023 and s.num_steps == 2 * 1023
+    arrays = (tab.ptr, tab.src, tab.dst, tab.chunk, tab.count, tab.reduce)
+    assert sum(a.nbytes for a in arrays) < 80 * 2 ** 20      # 4 M transfers in well under 100 MB
+    assert s.steps._steps is None                            # no Step objects made ...
+    st = s.steps[5]
+    assert len(st.transfers) == 2048 and s.steps._steps is None  # ... not even when one is read
+    assert s.total_bytes_sent() == 2 * 1023 * (1024 * 64 * 4)  # 2(p-1)/p of the buffer from each member

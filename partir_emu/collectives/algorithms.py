@@ -31,19 +31,23 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from partir_emu.collectives.patterns import (
+    ArrayStep,
     RawStep,
     Run,
-    doubling_all_gather,
-    halving_reduce_scatter,
+    bidir_ring_arrays,
+    list_to_arrays,
     merge,
+    pairwise_arrays,
     pairwise_exchange,
-    ring_all_gather,
-    ring_reduce_scatter,
+    recursive_arrays,
+    ring_arrays,
 )
-from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, Step, Transfer, check_permutation
+from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, TableSteps, TransferTable, check_permutation
 from partir_emu.errors import CollectiveError
 
 ALGORITHMS: tuple[str, ...] = ("ring", "bidir_ring", "recursive", "torus", "hierarchical")
@@ -174,95 +178,89 @@ def _build(kind: str, shape: tuple[int, ...], n: int, algorithm: str, itemsize: 
         piece_elems = [n // p] * (p * p)
     else:
         piece_elems = [e for b in _split(n, p) for e in _split(b, m)]
-    chunk_bytes = [0] * len(layout)
-    for k, c in enumerate(layout):
-        chunk_bytes[c] = piece_elems[k] * itemsize
-    prefix = list(itertools.accumulate(chunk_bytes, initial=0))
-    steps = []
-    for raw in _RAW[kind](algorithm, shape, dpn, perm):
-        ts: list[Transfer] = []
-        for s, d, a, k, r in raw:
-            nb = prefix[a + k] - prefix[a]
-            if not nb:
-                continue
-            last = ts[-1] if ts else None
-            if last and (last.src, last.dst, last.reduce, last.chunk + last.count) == (s, d, r, a):
-                ts[-1] = Transfer(s, d, last.nbytes + nb, last.chunk, r, last.count + k)
-            else:
-                ts.append(Transfer(s, d, nb, a, r, k))
-        if ts:
-            steps.append(Step(tuple(ts)))
+    chunk_bytes = np.zeros(len(layout), np.int64)
+    chunk_bytes[np.asarray(layout, np.int64)] = np.asarray(piece_elems, np.int64) * itemsize
+    prefix = np.zeros(len(layout) + 1, np.int64)
+    np.cumsum(chunk_bytes, out=prefix[1:])
+    table = _table(_RAW[kind](algorithm, shape, dpn, perm), prefix)
     return CollectiveSchedule(kind=kind, algorithm=algorithm, group_shape=shape, nbytes=n * itemsize,
-                              num_chunks=len(layout), steps=tuple(steps), chunk_bytes=tuple(chunk_bytes),
-                              itemsize=itemsize, permutation=perm,
+                              num_chunks=len(layout), steps=TableSteps(table),
+                              chunk_bytes=tuple(chunk_bytes.tolist()), itemsize=itemsize, permutation=perm,
                               layout=() if layout == sorted(layout) else tuple(layout))
 
 
-def _line_rs(members: Sequence[int], segs: list[list[Run]], algorithm: str,
-             back: list[list[Run]] | None = None) -> list[RawStep]:
-    if back is not None:
-        return merge(ring_reduce_scatter(members, segs), ring_reduce_scatter(members, back, reverse=True))
-    if algorithm == "recursive":
-        return halving_reduce_scatter(members, segs)
-    return ring_reduce_scatter(members, segs)
+def _table(raw: Iterable[ArrayStep], prefix: np.ndarray) -> TransferTable:
+    """Raw steps as a table: transfers of 0 bytes dropped, a transfer that continues the previous
+    one of its step (same src, dst and reduce, next chunk) joined to it, empty steps dropped."""
+    cols: list[list[np.ndarray]] = [[], [], [], [], []]
+    sizes = [0]
+    for r in raw:
+        src, dst, a, k = (np.asarray(x, np.int64) for x in r[:4])
+        red = np.broadcast_to(np.asarray(r[4], bool), src.shape)
+        keep = prefix[a + k] > prefix[a]
+        if not keep.all():
+            src, dst, a, k, red = src[keep], dst[keep], a[keep], k[keep], red[keep]
+        if not len(src):
+            continue
+        new = np.ones(len(src), bool)
+        new[1:] = ~((src[1:] == src[:-1]) & (dst[1:] == dst[:-1]) & (red[1:] == red[:-1]) & (a[1:] == a[:-1] + k[:-1]))
+        if not new.all():
+            first = np.flatnonzero(new)
+            k = np.add.reduceat(k, first)
+            src, dst, a, red = src[first], dst[first], a[first], red[first]
+        for col, x in zip(cols, (src, dst, a, k)):
+            col.append(x.astype(np.int32))
+        cols[4].append(np.array(red, bool))
+        sizes.append(len(src))
+    ptr = np.cumsum(sizes, dtype=np.int64)
+    if len(sizes) == 1:
+        z = np.zeros(0, np.int32)
+        return TransferTable(ptr, z, z, z, z, z.astype(bool), prefix=prefix)
+    return TransferTable(ptr, *(np.concatenate(c) for c in cols), prefix=prefix)
 
 
-def _line_ag(members: Sequence[int], segs: list[list[Run]], algorithm: str,
-             back: list[list[Run]] | None = None) -> list[RawStep]:
-    if back is not None:
-        return merge(ring_all_gather(members, segs), ring_all_gather(members, back, reverse=True))
-    if algorithm == "recursive":
-        return doubling_all_gather(members, segs)
-    return ring_all_gather(members, segs)
-
-
-def _flat(algorithm: str, p: int, gather: bool) -> list[RawStep]:
+def _flat(algorithm: str, p: int, gather: bool) -> Iterable[ArrayStep]:
     """ring / bidir_ring / recursive over positions 0..p-1."""
-    segs = [[(b, 1)] for b in range(p)]
-    back = [[(p + b, 1)] for b in range(p)] if algorithm == "bidir_ring" else None
-    return (_line_ag if gather else _line_rs)(range(p), segs, algorithm, back)
+    if algorithm == "recursive":
+        return recursive_arrays(p, gather=gather)
+    b = np.arange(p)
+    if algorithm == "bidir_ring":
+        return bidir_ring_arrays(b, b, np.ones(p, np.int64), p + b, gather=gather)
+    return ring_arrays(b, b, np.ones(p, np.int64), gather=gather)
 
 
 # ------------------------------------------------------------------- torus
-def _torus_phase(shape: tuple[int, ...], t: int, gather: bool) -> list[RawStep]:
+def _torus_phase(shape: tuple[int, ...], t: int, gather: bool) -> Iterable[ArrayStep]:
     """All lines along dim ``t`` at once, each a bidirectional ring. Member ``v`` of a line
     owns the blocks whose coords agree with it on dims ``< t`` and equal ``v`` on dim ``t``:
     a run of ``prod(shape[t+1:])`` blocks in each half."""
     p = math.prod(shape)
     size = math.prod(shape[t + 1:])
-    coords = list(itertools.product(*(range(d) for d in shape)))
-    index = {c: i for i, c in enumerate(coords)}
-    lines = []
-    for base in coords:
-        if base[t] != 0:
-            continue
-        members = [index[base[:t] + (v,) + base[t + 1:]] for v in range(shape[t])]
-        los = [index[base[:t] + (v,) + (0,) * (len(shape) - t - 1)] for v in range(shape[t])]
-        segs, back = [[(lo, size)] for lo in los], [[(p + lo, size)] for lo in los]
-        lines.append((_line_ag if gather else _line_rs)(members, segs, "torus", back))
-    return merge(*lines)
+    idx = np.arange(p).reshape(shape)
+    # lines: every base with coordinate 0 on dim t, in row-major order; members along dim t
+    members = np.moveaxis(idx, t, -1).reshape(-1, shape[t])
+    los = (members // size) * size  # the member's index with dims > t zeroed
+    return bidir_ring_arrays(members, los, np.full(members.shape, size, np.int64), p + los, gather=gather)
 
 
-def _torus(shape: tuple[int, ...], gather: bool) -> list[RawStep]:
+def _torus(shape: tuple[int, ...], gather: bool) -> Iterable[ArrayStep]:
     dims = [t for t in range(len(shape)) if shape[t] > 1]
-    return [s for t in (reversed(dims) if gather else dims) for s in _torus_phase(shape, t, gather)]
+    return itertools.chain.from_iterable(_torus_phase(shape, t, gather) for t in (reversed(dims) if gather else dims))
 
 
 # ------------------------------------------------------------ hierarchical
-def _hier(p: int, d: int, gather: bool) -> list[RawStep]:
+def _hier(p: int, d: int, gather: bool) -> Iterable[ArrayStep]:
     """Node-local ring over segments (one run of q blocks per local index), then a ring
     across nodes among equal local indices; all-gather runs the two phases the other way."""
     q = p // d
-    pattern = ring_all_gather if gather else ring_reduce_scatter
-    intra = merge(*(pattern([nd * d + lo for lo in range(d)], [[(lo * q, q)] for lo in range(d)])
-                    for nd in range(q)))
-    inter = merge(*(pattern([nd * d + lo for nd in range(q)], [[(lo * q + nd, 1)] for nd in range(q)])
-                    for lo in range(d)))
-    return inter + intra if gather else intra + inter
+    nd, lo = np.meshgrid(np.arange(q), np.arange(d), indexing="ij")  # [q, d]
+    intra = ring_arrays(nd * d + lo, lo * q, np.full((q, d), q, np.int64), gather=gather)
+    inter = ring_arrays((nd * d + lo).T, (lo * q + nd).T, np.ones((d, q), np.int64), gather=gather)
+    return itertools.chain(inter, intra) if gather else itertools.chain(intra, inter)
 
 
 # ------------------------------------------------------------- per kind
-def _raw_all_gather(algorithm, shape, dpn, perm) -> list[RawStep]:
+def _raw_all_gather(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
     if algorithm == "torus":
         return _torus(shape, True)
     if algorithm == "hierarchical":
@@ -270,7 +268,7 @@ def _raw_all_gather(algorithm, shape, dpn, perm) -> list[RawStep]:
     return _flat(algorithm, math.prod(shape), True)
 
 
-def _raw_reduce_scatter(algorithm, shape, dpn, perm) -> list[RawStep]:
+def _raw_reduce_scatter(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
     if algorithm == "torus":
         return _torus(shape, False)
     if algorithm == "hierarchical":
@@ -278,17 +276,23 @@ def _raw_reduce_scatter(algorithm, shape, dpn, perm) -> list[RawStep]:
     return _flat(algorithm, math.prod(shape), False)
 
 
-def _raw_all_reduce(algorithm, shape, dpn, perm) -> list[RawStep]:
-    return _raw_reduce_scatter(algorithm, shape, dpn, perm) + _raw_all_gather(algorithm, shape, dpn, perm)
+def _raw_all_reduce(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
+    return itertools.chain(_raw_reduce_scatter(algorithm, shape, dpn, perm), _raw_all_gather(algorithm, shape, dpn, perm))
 
 
-def _raw_all_to_all(algorithm, shape, dpn, perm) -> list[RawStep]:
+def _raw_all_to_all(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
     p = math.prod(shape)
     if algorithm == "direct":
-        return [[(i, j, i * p + j, 1, False) for i in range(p) for j in range(p) if i != j]]
+        i, j = np.nonzero(~np.eye(p, dtype=bool))
+        return [(i, j, i * p + j, np.ones(len(i), np.int64), False)]
     if algorithm == "pairwise":
-        return pairwise_exchange(range(p), lambda k, j: ((k * p + j, 1),))
-    # torus: route every chunk dim by dim; in phase t it moves along dim t to its destination's coordinate
+        return pairwise_arrays(p)
+    return list_to_arrays(_torus_all_to_all(shape))
+
+
+def _torus_all_to_all(shape: tuple[int, ...]) -> list[RawStep]:
+    """Route every chunk dim by dim; in phase t it moves along dim t to its destination's coordinate."""
+    p = math.prod(shape)
     coords = list(itertools.product(*(range(d) for d in shape)))
     index = {c: i for i, c in enumerate(coords)}
     holder = [i for i in range(p) for _ in range(p)]  # chunk i*p + j starts at i
@@ -312,8 +316,12 @@ def _raw_all_to_all(algorithm, shape, dpn, perm) -> list[RawStep]:
     return steps
 
 
-def _raw_collective_permute(algorithm, shape, dpn, perm) -> list[RawStep]:
-    return [[(s, d, s, 1, False) for s, d in perm if s != d]]
+def _raw_collective_permute(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
+    pairs = [(s, d) for s, d in perm if s != d]
+    if not pairs:
+        return []
+    a = np.array(pairs, np.int64)
+    return [(a[:, 0], a[:, 1], a[:, 0], np.ones(len(a), np.int64), False)]
 
 
 _RAW = {

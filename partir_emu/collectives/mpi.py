@@ -13,35 +13,32 @@ sub-communicator of the ranks hosting the group (faster; results equal up to
 rounding, not bit for bit).
 
 Waiting never spins in a blocking MPI call (MPICH busy-polls): requests are
-tested, with short sleeps in between, up to ``timeout_s``. Participants that
+tested, yielding the CPU in between for the first 2 ms and then sleeping, up to
+``timeout_s``. Plans, work and scratch buffers are kept between calls
+(:func:`release_buffers` frees them). Participants that
 disagree on the collective (kind, size, dtype, algorithm, group) raise
 :class:`CollectiveError` after a header exchange instead of hanging.
 """
 from __future__ import annotations
 
 import functools
+import os
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from partir_emu.collectives.algorithms import build_schedule
-from partir_emu.collectives.local import (
-    REDUCE_OPS,
-    apply_transfer,
-    assemble_output,
-    check_buffer,
-    initial_state,
-    reduce_fn,
-    run_chunks,
-)
+from partir_emu.collectives.local import REDUCE_OPS, Plan, check_buffer, reduce_fn
 from partir_emu.collectives.schedule import KINDS, CollectiveSchedule
 from partir_emu.errors import CollectiveError
 
 _MAGIC = 0x50434F4C  # "PCOL"
-_POLL_S = 0.0002
+_POLL_S = 0.0002   # sleep between tests once a wait is long
+_SPIN_S = 0.002    # before that, test and yield the CPU (MPICH progresses requests only inside a test)
 DEFAULT_TIMEOUT_S = 300.0
 
 Job = tuple[CollectiveSchedule, Sequence[int], Mapping[int, np.ndarray]]
@@ -72,73 +69,108 @@ def run_schedules_mpi(comm: MPI.Comm, jobs: Sequence[Job], rank_of_device: Calla
     ``jobs`` is a list of ``(schedule, group_devices, local)``; results come back
     in the same order. Ranks may list shared jobs in any order: they are put in
     a canonical order (by device list) before any message is posted.
+
+    Each step is planned once per (schedules, placement) and cached (see
+    :class:`partir_emu.collectives.local.Plan`): per peer rank one message, sent straight
+    from the work buffer when it is one range and received straight into it when nothing
+    else in the step touches that range; whole runs of chunks are copied or reduced per
+    numpy call. Receives are posted before sends.
     """
     fn = reduce_fn(op)
     me = comm.Get_rank()
     order = sorted(range(len(jobs)), key=lambda j: tuple(jobs[j][1]))
     prepared = [_prepare(jobs[j], rank_of_device, me, comm.Get_size()) for j in order]
-    tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+    plan = _plan_for(prepared, me)
+    tag_ub = _TAG_UB.get(comm.py2f())
+    if tag_ub is None:
+        tag_ub = _TAG_UB[comm.py2f()] = int(comm.Get_attr(MPI.TAG_UB) or 32767)
     if check:
-        _exchange_headers(comm, prepared, op, tag_base % (tag_ub + 1), timeout_s)
-    for s in range(max((len(p.sched.steps) for p in prepared), default=0)):
+        _exchange_headers(comm, prepared, plan, op, tag_base % (tag_ub + 1), timeout_s)
+    # When every output is one range of the work buffer (all_reduce, all_gather, all_to_all, ...) the
+    # work buffer is fresh and the outputs are views of it. Otherwise the outputs are copied out anyway
+    # and the work buffer is one kept between calls, like the scratch buffers: MPICH moves large
+    # messages faster between buffers whose addresses it has seen before (measured: a kept buffer plus
+    # a copy of the output is still slower than a fresh buffer and no copy).
+    views = [space.outputs_are_views() for space in plan.spaces]
+    works = [space.start(pj.local, pj.dtype, None if view else
+                         _scratch(("work", j), space.size * pj.dtype.itemsize).view(pj.dtype))
+             for j, (space, pj, view) in enumerate(zip(plan.spaces, prepared, views))]
+    wbytes = [w.view(np.uint8) for w in works]
+    rbuf = _scratch("recv", plan.rbytes)
+    sbuf = _scratch("send", plan.sbytes)
+    devices = [pj.devices for pj in prepared]
+    for sp in plan.steps:
+        s = sp.step
         tag = (tag_base + 1 + s) % (tag_ub + 1)
-        sends: dict[int, list[np.ndarray]] = {}
-        recvs: dict[int, int] = {}
-        local_payload: dict[tuple[int, int], list[np.ndarray]] = {}
-        incoming: list[tuple[int, int, int, list[int]]] = []  # (job, transfer index, src rank, chunks)
-        for ji, pj in enumerate(prepared):
-            if s >= len(pj.sched.steps):
-                continue
-            transfers = pj.sched.steps[s].transfers
-            for ti in pj.touch[s]:
-                t = transfers[ti]
-                src_r, dst_r = pj.ranks[t.src], pj.ranks[t.dst]
-                chunks = run_chunks(pj.sched, t)
-                if src_r == me:
-                    payload = [pj.state[t.src][c] for c in chunks]
-                    if trace is not None:
-                        trace.append((s, pj.devices[t.src], pj.devices[t.dst], t.nbytes))
-                    if dst_r == me:
-                        local_payload[(ji, ti)] = payload
-                    else:
-                        sends.setdefault(dst_r, []).extend(payload)
-                else:
-                    incoming.append((ji, ti, src_r, chunks))
-                    recvs[src_r] = recvs.get(src_r, 0) + t.nbytes
-        recv_bufs = {r: np.empty(nb, np.uint8) for r, nb in recvs.items()}
-        reqs = [comm.Irecv([buf, MPI.BYTE], source=r, tag=tag) for r, buf in recv_bufs.items()]
-        send_bufs = [(r, _as_bytes(parts)) for r, parts in sends.items()]
-        reqs += [comm.Isend([buf, MPI.BYTE], dest=r, tag=tag) for r, buf in send_bufs]
-        statuses = [MPI.Status() for _ in reqs]
-        _wait(reqs, statuses, timeout_s, functools.partial(
-            "step {} of {} (receiving from ranks {}, sending to ranks {})".format, s, _names(prepared),
-            sorted(recvs), sorted(sends)))
-        for (r, buf), st in zip(recv_bufs.items(), statuses):
-            if st.Get_count(MPI.BYTE) != buf.nbytes:
-                raise CollectiveError(f"step {s} of {_names(prepared)}: rank {r} sent {st.Get_count(MPI.BYTE)} "
-                                      f"bytes, expected {buf.nbytes}; the ranks disagree on the collective")
-        offsets = dict.fromkeys(recv_bufs, 0)
-        for ji, ti, r, chunks in incoming:
-            pj = prepared[ji]
-            vals = []
-            for c in chunks:
-                nb = pj.sched.chunk_bytes[c]
-                vals.append(recv_bufs[r][offsets[r]:offsets[r] + nb].view(pj.dtype))
-                offsets[r] += nb
-            local_payload[(ji, ti)] = vals
-        for ji, pj in enumerate(prepared):
-            if s >= len(pj.sched.steps):
-                continue
-            transfers = pj.sched.steps[s].transfers
-            for ti in pj.touch[s]:
-                t = transfers[ti]
-                payload = local_payload.get((ji, ti))
-                if payload is not None:
-                    apply_transfer(pj.state[t.dst], run_chunks(pj.sched, t), payload, t.reduce, fn)
+        if trace is not None:
+            for row in plan.trace_rows(sp, devices):
+                trace.append(row)
+        reqs = [comm.Irecv([rbuf[off:off + nb] if j < 0 else wbytes[j][off:off + nb], _BYTE], source=peer, tag=tag)
+                for peer, nb, j, off in sp.recvs]
+        if sp.packs:
+            sp.pack(works, sbuf)
+        reqs += [comm.Isend([sbuf[off:off + nb] if j < 0 else wbytes[j][off:off + nb], _BYTE], dest=peer, tag=tag)
+                 for peer, nb, j, off in sp.sends]
+        if sp.gathers:
+            sp.gather_local(works, rbuf)
+        if reqs:
+            statuses = sp.statuses
+            if statuses is None:
+                statuses = sp.statuses = [MPI.Status() for _ in reqs]
+            _wait(reqs, statuses, timeout_s, functools.partial(_step_what, s, prepared, sp))
+            for (peer, nb, _, _), st in zip(sp.recvs, statuses):
+                if st.Get_count(_BYTE) != nb:
+                    raise CollectiveError(f"step {s} of {_names(prepared)}: rank {peer} sent {st.Get_count(_BYTE)} "
+                                          f"bytes, expected {nb}; the ranks disagree on the collective")
+        if sp.applies:
+            sp.apply(works, rbuf, fn)
     results: list[dict[int, np.ndarray]] = [{} for _ in jobs]
-    for j, pj in zip(order, prepared):
-        results[j] = {pos: assemble_output(pj.sched, pos, st, pj.dtype) for pos, st in pj.state.items()}
+    for j, pj, space, work, view in zip(order, prepared, plan.spaces, works, views):
+        results[j] = {pos: space.output(work, pos, pj.dtype, view_ok=view) for pos in pj.hosted}
     return results
+
+
+_BYTE = MPI.BYTE
+_SCRATCH: dict[object, np.ndarray] = {}
+_TAG_UB: dict[int, int] = {}
+
+
+def _scratch(key: object, nbytes: int) -> np.ndarray:
+    """``nbytes`` of a buffer kept for ``key`` (grown when too small), so that MPI sees the same
+    addresses from one call to the next. :func:`release_buffers` drops them."""
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH[key] = np.empty(max(nbytes, 64), np.uint8)
+    return buf[:nbytes]
+
+
+def release_buffers() -> None:
+    """Free the work and scratch buffers the executors keep between calls (and the cached plans)."""
+    _SCRATCH.clear()
+    _PLANS.clear()
+
+
+def _step_what(s: int, prepared: list[_Prepared], sp) -> str:
+    return (f"step {s} of {_names(prepared)} (receiving from ranks {sorted(r[0] for r in sp.recvs)}, "
+            f"sending to ranks {sorted(r[0] for r in sp.sends)})")
+
+
+_PLANS: OrderedDict = OrderedDict()
+_PLANS_MAX = 32
+
+
+def _plan_for(prepared: list[_Prepared], me: int) -> Plan:
+    """The cached plan of these jobs on this rank (keyed by schedule identity and placement)."""
+    key = (me, tuple((id(pj.sched), tuple(pj.devices), tuple(pj.ranks)) for pj in prepared))
+    hit = _PLANS.get(key)
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        return hit[1]
+    plan = Plan([(pj.sched, np.asarray(pj.ranks, np.int64), pj.hosted) for pj in prepared], me)
+    _PLANS[key] = (tuple(pj.sched for pj in prepared), plan)  # the schedules stay alive with their ids
+    while len(_PLANS) > _PLANS_MAX:
+        _PLANS.popitem(last=False)
+    return plan
 
 
 # ------------------------------------------------------------------ native
@@ -192,11 +224,12 @@ def run_native_mpi(kind: str, subcomms: SubcommCache, group_devices: Sequence[in
     reduce_fn(op)
     comm = subcomms.comm
     me, p = comm.Get_rank(), len(group_devices)
-    pos_rank = [rank_of_device(d) for d in group_devices]
+    pos_rank = tuple(map(rank_of_device, group_devices))
+    layout = _native_layout(pos_rank, me)  # (positions here, ranks, positions per rank, regular?)
     mine = sorted(local)
-    if mine != [pos for pos in range(p) if pos_rank[pos] == me]:
+    if mine != layout[0]:
         raise CollectiveError(f"rank {me}: local buffers for positions {mine} but it hosts positions "
-                              f"{[pos for pos in range(p) if pos_rank[pos] == me]} of group {list(group_devices)}")
+                              f"{layout[0]} of group {list(group_devices)}")
     if not mine:
         return {}
     bufs = [np.ascontiguousarray(local[pos]) for pos in mine]
@@ -212,12 +245,11 @@ def run_native_mpi(kind: str, subcomms: SubcommCache, group_devices: Sequence[in
                                 tag_base, check=check, timeout_s=timeout_s)
     if kind in ("reduce_scatter", "all_to_all") and size % p:
         raise CollectiveError(f"{kind} of {size} elements over {p} members: size must divide by the group size")
-    ranks = sorted(set(pos_rank))
-    hosted = [[pos for pos in range(p) if pos_rank[pos] == r] for r in ranks]
+    _, ranks, hosted, regular = layout
     if len(ranks) == 1:
         from partir_emu.collectives.local import reference
         return dict(zip(mine, reference(kind, bufs, op)))
-    sub = subcomms.get(ranks)
+    sub = subcomms._subs.get(ranks) or subcomms.get(ranks)
     mdt = _mpi_dtype(dtype)
     if check:
         code = [_MAGIC, KINDS.index(kind), size, dtype.num, dtype.itemsize, list(REDUCE_OPS).index(op), p,
@@ -230,42 +262,84 @@ def run_native_mpi(kind: str, subcomms: SubcommCache, group_devices: Sequence[in
                                   f"collective (kind, size, dtype, op or group; this rank: {kind} of {size} x "
                                   f"{dtype}, op {op!r}); make every rank issue the same collective")
     try:
-        return _native(kind, sub, op, bufs, mine, hosted, p, mdt, timeout_s)
+        return _native(kind, sub, op, bufs, mine, hosted, p, mdt, timeout_s, regular)
     except MPI.Exception as e:
         raise CollectiveError(f"native {kind} of {dtype} over ranks {ranks} failed in MPI: {e}; the MPI library may "
                               "not support this dtype/op, use run_schedule_mpi instead") from e
 
 
+_LAYOUTS: OrderedDict = OrderedDict()
+
+
+def _native_layout(pos_rank: tuple[int, ...], me: int) -> tuple[list[int], tuple[int, ...], list[list[int]], bool]:
+    """For a group placed on ranks ``pos_rank``: the positions on rank ``me``, the ranks (ascending),
+    the positions on each, and whether they are one run of equally many per rank in rank order."""
+    key = (pos_rank, me)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        by_rank: dict[int, list[int]] = {}
+        for pos, r in enumerate(pos_rank):
+            by_rank.setdefault(r, []).append(pos)
+        ranks = tuple(sorted(by_rank))
+        hosted = [by_rank[r] for r in ranks]
+        mine = by_rank.get(me, [])
+        regular = all(len(h) == len(mine) for h in hosted) and \
+            [pos for h in hosted for pos in h] == list(range(len(pos_rank)))
+        hit = _LAYOUTS[key] = (mine, ranks, hosted, regular)
+        while len(_LAYOUTS) > 256:
+            _LAYOUTS.popitem(last=False)
+    return hit
+
+
 def _native(kind: str, sub: MPI.Intracomm, op: str, bufs: list[np.ndarray], mine: list[int],
-            hosted: list[list[int]], p: int, mdt: MPI.Datatype, timeout_s: float | None) -> dict[int, np.ndarray]:
-    """The MPI calls of :func:`run_native_mpi`, members of each rank combined locally."""
+            hosted: list[list[int]], p: int, mdt: MPI.Datatype, timeout_s: float | None,
+            regular: bool | None = None) -> dict[int, np.ndarray]:
+    """The MPI calls of :func:`run_native_mpi`, members of each rank combined locally.
+
+    With one member per rank in rank order (the common case) the inputs go to MPI as they are and
+    the received buffer is the output (all_reduce receives into a buffer kept between calls and
+    copies out: measured faster with MPICH than receiving into a fresh buffer)."""
     fn, mpi_op, dtype, size = REDUCE_OPS[op], _MPI_OPS[op], bufs[0].dtype, bufs[0].size
     wait_what = lambda: f"native {kind} over {sub.Get_size()} ranks"
+    single = len(mine) == 1
+    if regular is None:
+        regular = all(len(h) == len(mine) for h in hosted) and [pos for h in hosted for pos in h] == list(range(p))
     if kind == "all_reduce":
-        partial = np.ascontiguousarray(functools.reduce(fn, bufs))
-        out = np.empty_like(partial)
+        partial = bufs[0] if single else np.ascontiguousarray(functools.reduce(fn, bufs))
+        out = _scratch("native-out", partial.nbytes).view(dtype)  # measured: a kept buffer, then a copy, is faster
         _wait([sub.Iallreduce([partial, mdt], [out, mdt], mpi_op)], None, timeout_s, wait_what)
         return {pos: out.copy() for pos in mine}
     if kind == "reduce_scatter":
         b = size // p
-        partial = functools.reduce(fn, bufs).reshape(p, b)
-        send = np.ascontiguousarray(np.concatenate([partial[h] for h in hosted]).ravel())
+        partial = bufs[0] if single else functools.reduce(fn, bufs)
         out = np.empty(len(mine) * b, dtype)
-        counts = [len(h) * b for h in hosted]
-        _wait([sub.Ireduce_scatter([send, mdt], [out, mdt], counts, mpi_op)], None, timeout_s, wait_what)
-        return {pos: out[i * b:(i + 1) * b].copy() for i, pos in enumerate(mine)}
+        if regular:  # rank r's blocks are already together, in order
+            _wait([sub.Ireduce_scatter_block([partial, mdt], [out, mdt], mpi_op)], None, timeout_s, wait_what)
+        else:
+            partial = partial.reshape(p, b)
+            send = np.ascontiguousarray(np.concatenate([partial[h] for h in hosted]).ravel())
+            counts = [len(h) * b for h in hosted]
+            _wait([sub.Ireduce_scatter([send, mdt], [out, mdt], counts, mpi_op)], None, timeout_s, wait_what)
+        return {mine[0]: out} if single else {pos: out[i * b:(i + 1) * b].copy() for i, pos in enumerate(mine)}
     if kind == "all_gather":
         b = size
-        send = np.concatenate(bufs)
-        counts = [len(h) * b for h in hosted]
+        send = bufs[0] if single else np.concatenate(bufs)
         recv = np.empty(p * b, dtype)
+        if regular:  # gathered in rank order = position order
+            _wait([sub.Iallgather([send, mdt], [recv, mdt])], None, timeout_s, wait_what)
+            return {pos: recv.copy() if i else recv for i, pos in enumerate(mine)}
+        counts = [len(h) * b for h in hosted]
         _wait([sub.Iallgatherv([send, mdt], [recv, (counts, _displs(counts)), mdt])], None, timeout_s, wait_what)
         full = np.empty((p, b), dtype)
         full[[pos for h in hosted for pos in h]] = recv.reshape(p, b)
         out = full.ravel()
-        return {pos: out.copy() for pos in mine}
+        return {pos: out.copy() if i else out for i, pos in enumerate(mine)}
     # all_to_all: block j of member i goes to member j
     b = size // p
+    if single and regular:  # blocks are in destination-rank order both ways
+        recv = np.empty(p * b, dtype)
+        _wait([sub.Ialltoall([bufs[0], mdt], [recv, mdt])], None, timeout_s, wait_what)
+        return {mine[0]: recv}
     blocks = np.stack(bufs).reshape(len(mine), p, b)
     send = np.ascontiguousarray(np.concatenate([blocks[:, h, :].ravel() for h in hosted]))
     scounts = [len(mine) * len(h) * b for h in hosted]
@@ -283,17 +357,12 @@ def _native(kind: str, sub: MPI.Intracomm, op: str, bufs: list[np.ndarray], mine
 
 # ----------------------------------------------------------------- helpers
 class _Prepared:
-    """One job with its ranks, dtype and this rank's state."""
+    """One job: its schedule, devices, ranks, dtype and this rank's checked inputs."""
 
     def __init__(self, sched: CollectiveSchedule, devices: list[int], ranks: list[int], dtype: np.dtype,
-                 state: dict[int, dict[int, np.ndarray]]):
-        self.sched, self.devices, self.ranks, self.dtype, self.state = sched, devices, ranks, dtype, state
-        self.touch = sched.touching(list(state))  # per step: transfers from or to a member of this rank
-        me = ranks[next(iter(state))] if state else -1
-        pairs = {(ranks[t.src], ranks[t.dst]) for step, idx in zip(sched.steps, self.touch)
-                 for t in (step.transfers[i] for i in idx)}
-        self.peers_out = sorted(d for s, d in pairs if s == me and d != me)
-        self.peers_in = sorted(s for s, d in pairs if d == me and s != me)
+                 local: dict[int, np.ndarray]):
+        self.sched, self.devices, self.ranks, self.dtype, self.local = sched, devices, ranks, dtype, local
+        self.hosted = sorted(local)
 
 
 def _prepare(job: Job, rank_of_device: Callable[[int], int], me: int, nranks: int) -> _Prepared:
@@ -309,14 +378,14 @@ def _prepare(job: Job, rank_of_device: Callable[[int], int], me: int, nranks: in
         raise CollectiveError(f"{sched.describe()}: rank {me} hosts positions {hosted} of group {devices} but got "
                               f"buffers for positions {sorted(local)}; pass exactly the local members")
     dtype = None
-    state = {}
+    bufs = {}
     for pos in hosted:
         buf = check_buffer(sched, pos, local[pos], dtype)
         dtype = buf.dtype
-        state[pos] = initial_state(sched, pos, np.ascontiguousarray(buf))
+        bufs[pos] = buf
     if dtype is None:
         dtype = np.dtype(np.uint8) if sched.itemsize == 1 else np.dtype(f"V{sched.itemsize}")
-    return _Prepared(sched, devices, ranks, dtype, state)
+    return _Prepared(sched, devices, ranks, dtype, bufs)
 
 
 def _header(pj: _Prepared, op: str) -> np.ndarray:
@@ -330,15 +399,16 @@ def _header(pj: _Prepared, op: str) -> np.ndarray:
 _HEADER_FIELDS = ("magic", "kind", "nbytes", "dtype", "itemsize", "num_steps", "op", "fingerprint")
 
 
-def _exchange_headers(comm: MPI.Comm, prepared: list[_Prepared], op: str, tag: int, timeout_s: float | None) -> None:
+def _exchange_headers(comm: MPI.Comm, prepared: list[_Prepared], plan: Plan, op: str, tag: int,
+                      timeout_s: float | None) -> None:
     """Send each peer a header per shared job; compare what comes back."""
     outs: dict[int, list[np.ndarray]] = {}
     mine: dict[int, list[np.ndarray]] = {}
-    for pj in prepared:
+    for pj, peers_out, peers_in in zip(prepared, plan.peers_out, plan.peers_in):
         h = _header(pj, op)
-        for r in pj.peers_out:
+        for r in peers_out:
             outs.setdefault(r, []).append(h)
-        for r in pj.peers_in:
+        for r in peers_in:
             mine.setdefault(r, []).append(h)
     send_bufs = {r: np.concatenate(hs) for r, hs in outs.items()}
     recv_bufs = {r: np.empty(sum(h.size for h in hs), np.int64) for r, hs in mine.items()}
@@ -358,13 +428,27 @@ def _exchange_headers(comm: MPI.Comm, prepared: list[_Prepared], op: str, tag: i
 
 def _wait(reqs: list[MPI.Request], statuses: list[MPI.Status] | None, timeout_s: float | None,
           what: Callable[[], str]) -> None:
-    """Test ``reqs`` with short sleeps until all complete (MPICH busy-polls in a blocking wait)."""
+    """Test ``reqs`` until all complete, never in a blocking MPI wait (MPICH busy-polls there).
+
+    For the first ``_SPIN_S`` seconds it tests and yields the CPU in between (short waits stay
+    short: MPICH progresses a request only inside a test), then tests every ``_POLL_S`` seconds
+    asleep, so ranks that wait long leave the cores to those that work."""
     if not reqs:
         return
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while not (MPI.Request.Testall(reqs, statuses) if statuses is not None else MPI.Request.Testall(reqs)):
-            if deadline is not None and time.monotonic() > deadline:
+        if MPI.Request.Testall(reqs, statuses) if statuses is not None else MPI.Request.Testall(reqs):
+            return
+        test = (lambda: MPI.Request.Testall(reqs, statuses)) if statuses is not None else \
+            (lambda: MPI.Request.Testall(reqs))
+        start = time.monotonic()
+        spin_end = start + _SPIN_S
+        deadline = None if timeout_s is None else start + timeout_s
+        while not test():
+            now = time.monotonic()
+            if now < spin_end:
+                os.sched_yield()
+                continue
+            if deadline is not None and now > deadline:
                 _cancel(reqs)
                 raise CollectiveError(f"timed out after {timeout_s} s in {what()}: a participant is missing or "
                                       "runs a different collective; check that all ranks run the same program")
@@ -397,6 +481,7 @@ def _displs(counts: list[int]) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def _mpi_dtype(dtype: np.dtype) -> MPI.Datatype:
     """The predefined MPI datatype of ``dtype`` (reductions need a predefined one)."""
     mdt = MPI._typedict.get(dtype.char)  # mpi4py's own char -> predefined datatype table

@@ -9,7 +9,9 @@ Independent patterns run concurrently when their steps are zipped by
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
 
 Run = tuple[int, int]
 RawStep = list[tuple[int, int, int, int, bool]]
@@ -102,3 +104,89 @@ def pairwise_exchange(members: Sequence[int], held: Callable[[int, int], Sequenc
     p = len(members)
     return [[(members[k], members[(k + s) % p], a, n, False) for k in range(p) for a, n in held(k, (k + s) % p)]
             for s in range(1, p)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The same patterns on numpy arrays, for many lines at once (what build_schedule uses).
+#
+# ``members``, ``first`` and ``count`` are ``[L, p]`` int arrays: line ``l`` has members
+# ``members[l]`` and member ``members[l, k]`` owns (or is responsible for) the single chunk run
+# ``(first[l, k], count[l, k])``. A pattern gives one ``ArrayStep`` per step: the
+# ``(src, dst, first_chunk, count)`` arrays of its transfers and their ``reduce`` flag (a bool or
+# an array), in the order :func:`merge` gives the lines' own patterns run concurrently (line by
+# line, then member by member). Several patterns run concurrently with :func:`merge_arrays`.
+ArrayStep = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, 'bool | np.ndarray']
+
+
+def _2d(x) -> np.ndarray:
+    a = np.asarray(x, np.int64)
+    return a.reshape(1, -1) if a.ndim == 1 else a
+
+
+def ring_arrays(members, first, count, *, gather: bool, reverse: bool = False) -> Iterator[ArrayStep]:
+    """:func:`ring_all_gather` (``gather``) or :func:`ring_reduce_scatter` of every line, as arrays
+    (made step by step)."""
+    members, first, count = _2d(members), _2d(first), _2d(count)
+    p = members.shape[1]
+    d = -1 if reverse else 1
+    k = np.arange(p)
+    dst = members[:, (k + d) % p].ravel()
+    src = members.ravel()
+    for s in range(p - 1):
+        seg = (k - d * s) % p if gather else (k - d * (s + 1)) % p
+        yield src, dst, first[:, seg].ravel(), count[:, seg].ravel(), not gather
+
+
+def bidir_ring_arrays(members, first, count, back_first, *, gather: bool) -> Iterator[ArrayStep]:
+    """Per line, a ring one way over runs ``first`` merged with a ring the other way over runs
+    ``back_first`` (same counts): ``merge(fwd_line0, back_line0)`` for each line, lines merged."""
+    members, first, count, back_first = _2d(members), _2d(first), _2d(count), _2d(back_first)
+    fwd = ring_arrays(members, first, count, gather=gather)
+    back = ring_arrays(members, back_first, count, gather=gather, reverse=True)
+    L = members.shape[0]
+    for f, b in zip(fwd, back):
+        yield tuple(np.stack([x.reshape(L, -1), y.reshape(L, -1)], axis=1).ravel() for x, y in zip(f[:4], b[:4])) \
+            + (f[4],)
+
+
+def recursive_arrays(p: int, *, gather: bool) -> list[ArrayStep]:
+    """:func:`doubling_all_gather` / :func:`halving_reduce_scatter` over positions ``0..p-1`` owning
+    chunk ``k`` each (power-of-two ``p``)."""
+    k = np.arange(p, dtype=np.int64)
+    masks = []
+    m = 1 if gather else p // 2
+    while (m < p) if gather else m:
+        masks.append(m)
+        m = m * 2 if gather else m // 2
+    out = []
+    for m in masks:
+        lo = (k & ~(m - 1)) if gather else ((k ^ m) & ~(m - 1))
+        out.append((k, k ^ m, lo, np.full(p, m, np.int64), not gather))
+    return out
+
+
+def pairwise_arrays(p: int) -> list[ArrayStep]:
+    """:func:`pairwise_exchange` over positions ``0..p-1`` where ``k`` hands ``j`` chunk ``k*p + j``."""
+    k = np.arange(p, dtype=np.int64)
+    one = np.ones(p, np.int64)
+    return [(k, (k + s) % p, k * p + (k + s) % p, one, False) for s in range(1, p)]
+
+
+def merge_arrays(*step_lists: list[ArrayStep]) -> list[ArrayStep]:
+    """:func:`merge` for array steps."""
+    n = max((len(s) for s in step_lists), default=0)
+    out = []
+    for s in range(n):
+        parts = [sl[s] for sl in step_lists if s < len(sl)]
+        red = np.concatenate([np.broadcast_to(np.asarray(p[4], bool), p[0].shape) for p in parts])
+        out.append(tuple(np.concatenate([p[i] for p in parts]) for i in range(4)) + (red,))
+    return out
+
+
+def list_to_arrays(steps: list[RawStep]) -> list[ArrayStep]:
+    """Raw list steps as array steps."""
+    out = []
+    for st in steps:
+        a = np.array([t[:4] for t in st], np.int64).reshape(-1, 4)
+        out.append((a[:, 0], a[:, 1], a[:, 2], a[:, 3], np.array([bool(t[4]) for t in st], bool)))
+    return out

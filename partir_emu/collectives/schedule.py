@@ -44,13 +44,22 @@ member and are skipped inside a run; no transfer of 0 bytes is ever emitted.
 
 **Messages.** Transfers of one step with the same ``(src, dst)`` travel as one
 message; price :meth:`CollectiveSchedule.messages`, not single transfers.
+
+**Storage.** Schedules built by :func:`~partir_emu.collectives.algorithms.build_schedule`
+keep their transfers in a :class:`TransferTable` (flat numpy arrays, one row per
+transfer, rows of a step contiguous); ``steps`` is then a read-only sequence
+that makes :class:`Step` objects on demand, so a schedule over 1024 members
+with millions of transfers costs tens of MB, not GB. :meth:`CollectiveSchedule.table`
+gives the arrays of any schedule (the executors read only those).
 """
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from partir_emu.errors import CollectiveError
 
@@ -96,6 +105,146 @@ class Message:
     transfers: tuple[Transfer, ...]
 
 
+class TransferTable:
+    """Every transfer of a schedule as flat arrays: row ``i`` is one :class:`Transfer`, the rows of
+    step ``s`` are ``ptr[s] .. ptr[s+1]-1`` in step order.
+
+    ``nbytes`` is stored, or derived from ``prefix`` (cumulative chunk bytes by chunk id) when the
+    table was built from chunk sizes (it is then computed on access, not kept).
+    """
+
+    __slots__ = ("ptr", "src", "dst", "chunk", "count", "reduce", "_nbytes", "_prefix")
+
+    def __init__(self, ptr: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray, count: np.ndarray,
+                 reduce: np.ndarray, nbytes: np.ndarray | None = None, prefix: np.ndarray | None = None):
+        if nbytes is None and prefix is None:
+            raise ValueError("TransferTable needs nbytes or the chunk prefix sums")
+        self.ptr = np.asarray(ptr, np.int64)
+        self.src, self.dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
+        self.chunk, self.count = np.asarray(chunk, np.int32), np.asarray(count, np.int32)
+        self.reduce = np.asarray(reduce, bool)
+        self._nbytes = None if nbytes is None else np.asarray(nbytes, np.int64)
+        self._prefix = None if prefix is None else np.asarray(prefix, np.int64)
+        for a in (self.ptr, self.src, self.dst, self.chunk, self.count, self.reduce):
+            a.flags.writeable = False
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[Step]) -> TransferTable:
+        rows = [(t.src, t.dst, t.chunk, t.count, t.reduce, t.nbytes) for st in steps for t in st.transfers]
+        ptr = np.zeros(len(steps) + 1, np.int64)
+        np.cumsum([len(st.transfers) for st in steps], out=ptr[1:])
+        a = np.array(rows, np.int64).reshape(-1, 6)
+        return cls(ptr, a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4].astype(bool), nbytes=a[:, 5])
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.ptr) - 1
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        """Bytes of every transfer (int64)."""
+        if self._nbytes is not None:
+            return self._nbytes
+        end = self.chunk.astype(np.int64) + self.count
+        return self._prefix[end] - self._prefix[self.chunk]
+
+    def step_of(self) -> np.ndarray:
+        """The step of every row."""
+        return np.repeat(np.arange(self.num_steps, dtype=np.int64), np.diff(self.ptr))
+
+    def step(self, s: int) -> Step:
+        lo, hi = int(self.ptr[s]), int(self.ptr[s + 1])
+        if self._nbytes is not None:
+            nb = self._nbytes[lo:hi].tolist()
+        else:
+            c = self.chunk[lo:hi].astype(np.int64)
+            nb = (self._prefix[c + self.count[lo:hi]] - self._prefix[c]).tolist()
+        return Step(tuple(map(Transfer, self.src[lo:hi].tolist(), self.dst[lo:hi].tolist(), nb,
+                              self.chunk[lo:hi].tolist(), self.reduce[lo:hi].tolist(), self.count[lo:hi].tolist())))
+
+    def same(self, other: TransferTable) -> bool:
+        return (self is other or (len(self) == len(other) and np.array_equal(self.ptr, other.ptr)
+                                  and all(np.array_equal(getattr(self, f), getattr(other, f))
+                                          for f in ("src", "dst", "chunk", "count", "reduce"))
+                                  and np.array_equal(self.nbytes, other.nbytes)))
+
+    def __getstate__(self):
+        return tuple(getattr(self, f) for f in self.__slots__)
+
+    def __setstate__(self, state) -> None:
+        for f, v in zip(self.__slots__, state):
+            object.__setattr__(self, f, v)
+
+
+_MATERIALIZE_MAX = 200_000  # lazily built steps are kept once made if the schedule has at most this many transfers
+
+
+class TableSteps(Sequence):
+    """``steps`` of a schedule stored as a :class:`TransferTable`: behaves as the tuple of
+    :class:`Step` (indexing, slicing to a tuple, iteration, ``==`` with tuples, hashing), making
+    the Step objects on demand."""
+
+    def __init__(self, table: TransferTable):
+        self.table = table
+        self._steps: tuple[Step, ...] | None = None
+
+    def __len__(self) -> int:
+        return self.table.num_steps
+
+    def _all(self) -> tuple[Step, ...]:
+        if self._steps is not None:
+            return self._steps
+        steps = tuple(self.table.step(s) for s in range(len(self)))
+        if len(self.table) <= _MATERIALIZE_MAX:
+            self._steps = steps
+        return steps
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._all()[i]) if self._steps is not None else \
+                tuple(self.table.step(s) for s in range(len(self))[i])
+        if self._steps is not None:
+            return self._steps[i]
+        n = len(self)
+        i = int(i)
+        if not -n <= i < n:
+            raise IndexError("step index out of range")
+        return self.table.step(i % n)
+
+    def __iter__(self) -> Iterator[Step]:
+        if self._steps is not None or len(self.table) <= _MATERIALIZE_MAX:
+            return iter(self._all())
+        return (self.table.step(s) for s in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TableSteps):
+            return self.table.same(other.table)
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __getstate__(self):
+        return self.table
+
+    def __setstate__(self, table) -> None:
+        self.table, self._steps = table, None
+
+
 @dataclass(frozen=True)
 class CollectiveSchedule:
     """A collective over a group of ``p = prod(group_shape)`` members as steps of transfers.
@@ -118,7 +267,8 @@ class CollectiveSchedule:
     permutation: tuple[tuple[int, int], ...] | None = None
     layout: tuple[int, ...] = ()
     _sub: int = field(default=0, init=False, repr=False, compare=False)
-    _touch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _table: TransferTable | None = field(default=None, init=False, repr=False, compare=False)
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -142,6 +292,23 @@ class CollectiveSchedule:
         if self.layout and sorted(self.layout) != list(range(self.num_chunks)):
             raise CollectiveError(f"layout must be a permutation of the {self.num_chunks} chunk ids (or empty)")
         object.__setattr__(self, "_sub", self.num_chunks // per)
+        if isinstance(self.steps, TableSteps):
+            object.__setattr__(self, "_table", self.steps.table)
+
+    def table(self) -> TransferTable:
+        """All transfers as flat arrays (made once from ``steps`` if the schedule was built from objects)."""
+        if self._table is None:
+            object.__setattr__(self, "_table", TransferTable.from_steps(self.steps))
+        return self._table
+
+    def __getstate__(self):
+        state = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        state["_plans"] = {}  # executor plans are per process
+        return state
+
+    def __setstate__(self, state) -> None:
+        for f, v in state.items():
+            object.__setattr__(self, f, v)
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -195,39 +362,28 @@ class CollectiveSchedule:
     def touching(self, positions: Sequence[int]) -> list[list[int]]:
         """Per step, the indices (in order) of the transfers from or to any of ``positions``.
 
-        Lets an executor that hosts a few members skip the rest of a large
-        schedule; the per-position index is built once per schedule.
+        Lets an executor that hosts a few members skip the rest of a large schedule.
         """
-        if not self._touch and self.steps:
-            touch: dict[int, list[list[int]]] = {}
-            for si, step in enumerate(self.steps):
-                for ti, t in enumerate(step.transfers):
-                    for pos in {t.src, t.dst}:
-                        per = touch.setdefault(pos, [])
-                        while len(per) <= si:
-                            per.append([])
-                        per[si].append(ti)
-            self._touch.update(touch)
-        out: list[list[int]] = []
-        for si in range(len(self.steps)):
-            idx: set[int] = set()
-            for pos in positions:
-                per = self._touch.get(pos, ())
-                if si < len(per):
-                    idx.update(per[si])
-            out.append(sorted(idx))
-        return out
+        tab = self.table()
+        pos = np.zeros(self.p, bool)
+        pos[[int(x) for x in positions if 0 <= int(x) < self.p]] = True
+        hit = np.flatnonzero(pos[tab.src] | pos[tab.dst])
+        step = np.searchsorted(tab.ptr, hit, side="right") - 1
+        cuts = np.searchsorted(step, np.arange(1, self.num_steps))
+        return [part.tolist() for part in np.split(hit - tab.ptr[step], cuts)] if self.num_steps else []
 
     # ------------------------------------------------------------- traffic
     def total_bytes_sent(self) -> int:
         """Bytes sent by all members over all steps."""
-        return sum(t.nbytes for s in self.steps for t in s.transfers)
+        return int(self.table().nbytes.sum())
 
     def bytes_sent_by(self, pos: int) -> int:
-        return sum(t.nbytes for s in self.steps for t in s.transfers if t.src == pos)
+        tab = self.table()
+        return int(tab.nbytes[tab.src == pos].sum())
 
     def bytes_received_by(self, pos: int) -> int:
-        return sum(t.nbytes for s in self.steps for t in s.transfers if t.dst == pos)
+        tab = self.table()
+        return int(tab.nbytes[tab.dst == pos].sum())
 
     def messages(self) -> tuple[tuple[Message, ...], ...]:
         """Per step, the transfers grouped by ``(src, dst)`` (first-appearance order)."""
@@ -240,7 +396,11 @@ class CollectiveSchedule:
         return tuple(out)
 
     def num_messages(self) -> int:
-        return sum(len(m) for m in self.messages())
+        tab = self.table()
+        if not len(tab):
+            return 0
+        key = (tab.step_of() * self.p + tab.src) * self.p + tab.dst
+        return int(np.unique(key).size)
 
     def describe(self) -> str:
         """One line for logs: kind, algorithm, group, size, steps, traffic."""
@@ -256,9 +416,15 @@ class CollectiveSchedule:
             "chunk_bytes": list(self.chunk_bytes),
             "permutation": None if self.permutation is None else [list(x) for x in self.permutation],
             "layout": list(self.layout),
-            "steps": [[[t.src, t.dst, t.nbytes, t.chunk, int(t.reduce), t.count] for t in s.transfers]
-                      for s in self.steps],
+            "steps": self._steps_lists(),
         }
+
+    def _steps_lists(self) -> list:
+        tab = self.table()
+        rows = np.stack([tab.src, tab.dst, tab.nbytes, tab.chunk, tab.reduce, tab.count], axis=1).astype(np.int64)
+        ptr = tab.ptr.tolist()
+        rows = rows.tolist()
+        return [rows[ptr[s]:ptr[s + 1]] for s in range(tab.num_steps)]
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.local import reference, run_schedule
 from partir_emu.collectives.mpi import SubcommCache, run_native_mpi, run_schedule_mpi, run_schedules_mpi
-from partir_emu.collectives.schedule import KINDS
+from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, Step, Transfer
 from partir_emu.errors import CollectiveError
 
 TIMEOUT_S = 30.0
@@ -113,6 +113,22 @@ def main() -> int:
                         failures.append(f"rank {me} {label}: {type(e).__name__}: {e}")
                         traceback.print_exc(file=sys.stderr)
                     tag += 1000
+    for label, jobs_all in extra_cases(n_dev):
+        cases += 1
+        try:
+            mine = [(sc, g, {pos: b[pos] for pos in range(len(g)) if rank_of(g[pos]) == me}) for sc, g, b in jobs_all]
+            mine = [j for j in mine if j[2]]
+            outs = run_schedules_mpi(comm, mine, rank_of, "sum", tag, trace, timeout_s=TIMEOUT_S)
+            expected_transfers += sum(len(sc.table()) for sc, _, _ in jobs_all)
+            for (sc, g, loc), out in zip(mine, outs):
+                want = run_schedule(sc, [b for s2, g2, b in jobs_all if g2 is g][0])
+                for pos in loc:
+                    if out[pos].tobytes() != want[pos].tobytes() or out[pos].dtype != want[pos].dtype:
+                        failures.append(f"rank {me} {label} group {g} pos {pos}: schedule != local")
+        except Exception as e:  # report, keep going
+            failures.append(f"rank {me} {label}: {type(e).__name__}: {e}")
+            traceback.print_exc(file=sys.stderr)
+        tag += 1000
     mismatch = check_mismatch(comm, rank_of, n_dev, subcomms) if nranks >= 2 else []
     subcomms.free()
     total_traced = comm.allreduce(len(trace))
@@ -127,6 +143,40 @@ def main() -> int:
                           "trace": [total_traced, expected_transfers], "mismatch": all_mismatch,
                           "seconds": round(time.monotonic() - t0, 2)}), flush=True)
     return 0
+
+
+def hand_schedule(steps, p: int = 3, n_chunks: int = 3, chunk_elems: int = 2) -> CollectiveSchedule:
+    cb = 4 * chunk_elems
+    return CollectiveSchedule(kind="all_reduce", algorithm="ring", group_shape=(p,), nbytes=cb * n_chunks,
+                              num_chunks=n_chunks, itemsize=4, chunk_bytes=(cb,) * n_chunks,
+                              steps=tuple(Step(tuple(Transfer(s, d, cb * k, c, r, k) for s, d, c, r, k in st))
+                                          for st in steps))
+
+
+def extra_cases(n_dev: int) -> list[tuple[str, list]]:
+    """Schedules no algorithm builds: two reduces into one chunk in a step (applied in order), a member
+    sending a chunk it receives in the same step (sends its old value), runs of two chunks; and two
+    jobs of different dtypes in one call (their parts share messages)."""
+    rng = np.random.default_rng(3)
+    out = []
+    if n_dev >= 3:
+        g = [0, 1, n_dev - 1]
+        sched = hand_schedule([
+            [(2, 0, 0, True, 1), (1, 0, 0, True, 1), (1, 2, 1, True, 1), (0, 1, 1, True, 1), (2, 1, 2, True, 1),
+             (0, 1, 2, True, 1)],
+            [(0, 1, 0, False, 1), (0, 2, 0, False, 1), (1, 0, 1, False, 2), (2, 0, 1, True, 1)],
+            [(0, 2, 1, False, 2), (2, 1, 1, False, 1), (1, 2, 2, False, 1)],
+        ])
+        bufs = [(rng.standard_normal(6) * 1e6).astype(np.float32) for _ in range(3)]
+        out.append(("hand-made", [(sched, g, bufs)]))
+    if n_dev >= 2:
+        g1, g2 = list(range(n_dev)), list(range(n_dev))[::-1]
+        s1 = build_schedule("all_reduce", (n_dev,), n_dev * 3 * 8 + 8, "bidir_ring", itemsize=8)
+        s2 = build_schedule("all_gather", (n_dev,), n_dev * 5 * 2, "ring", itemsize=2)
+        b1 = [rng.standard_normal(n_dev * 3 + 1) for _ in range(n_dev)]
+        b2 = [rng.integers(-100, 100, 5).astype(np.int16) for _ in range(n_dev)]
+        out.append(("float64+int16 jobs", [(s1, g1, b1), (s2, g2, b2)]))
+    return out
 
 
 def check_mismatch(comm: MPI.Comm, rank_of, n_dev: int, subcomms: SubcommCache) -> list[bool]:
