@@ -260,20 +260,21 @@ def _hier(p: int, d: int, gather: bool) -> Iterable[ArrayStep]:
 
 
 # ------------------------------------------------------------- per kind
-def _raw_all_gather(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
+def _raw_one_way(algorithm, shape, dpn, gather: bool) -> Iterable[ArrayStep]:
+    """all_gather (``gather``) or reduce_scatter: the same pattern, data flowing the other way."""
     if algorithm == "torus":
-        return _torus(shape, True)
+        return _torus(shape, gather)
     if algorithm == "hierarchical":
-        return _hier(math.prod(shape), dpn, True)
-    return _flat(algorithm, math.prod(shape), True)
+        return _hier(math.prod(shape), dpn, gather)
+    return _flat(algorithm, math.prod(shape), gather)
+
+
+def _raw_all_gather(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
+    return _raw_one_way(algorithm, shape, dpn, True)
 
 
 def _raw_reduce_scatter(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:
-    if algorithm == "torus":
-        return _torus(shape, False)
-    if algorithm == "hierarchical":
-        return _hier(math.prod(shape), dpn, False)
-    return _flat(algorithm, math.prod(shape), False)
+    return _raw_one_way(algorithm, shape, dpn, False)
 
 
 def _raw_all_reduce(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:

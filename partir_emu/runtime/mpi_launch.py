@@ -123,17 +123,25 @@ def _signal(pids: Sequence[int], sig: int) -> None:
             pass
 
 
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[int] = (), grace_s: float = 3.0) -> None:
     """SIGTERM mpiexec's process group, then every leftover rank (SIGTERM, then SIGKILL)."""
     tree = set(descendants(proc.pid)) | set(extra_pids)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except OSError:
-        pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
+    _killpg(proc.pid, signal.SIGTERM)
+    _wait(proc, grace_s)
     left = [p for p in tree if _alive(p, marker)]
     _signal(left, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -142,14 +150,8 @@ def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[
         left = [p for p in left if _alive(p, marker)]
     _signal(left, signal.SIGKILL)
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
+        _killpg(proc.pid, signal.SIGKILL)
+    _wait(proc, grace_s)
 
 
 def _shm_files() -> set[str]:
