@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--jax-repeat", type=int, default=1)
     args = ap.parse_args()
 
-    from partir_emu.compiler.mesh import Mesh
+    from partir_emu.core.mesh import Mesh
     mesh = Mesh.parse(args.mesh)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from partir_emu.compiler.mesh import Mesh  # noqa: E402
+from partir_emu.core.mesh import Mesh  # noqa: E402
 from partir_emu.hwmodels import analytical, comm, load_spec, place, simulate  # noqa: E402
 
 SPEC = "tpu-v4"

@@ -7,9 +7,9 @@ lazily (MPI ranks and the hardware models never need it).
 from __future__ import annotations
 
 from partir_emu.compiler.auto import AutomaticPartition
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.sharding import Sharding
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
 from partir_emu.errors import PartirError
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError, UsageError
 
 

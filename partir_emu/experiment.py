@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ArgumentError, EmulationError
 
 RTOL = 1e-5

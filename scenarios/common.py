@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler.auto import AutomaticPartition
-from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 
 Config = dict[str, int]

@@ -54,8 +54,8 @@ def test_run_local_writes_the_report(capsys, tmp_path):
 
 
 def test_show_prints_collectives_and_saves_a_program_that_runs(capsys, tmp_path):
-    from partir_emu.compiler.mesh import Mesh
-    from partir_emu.compiler.spmd import SpmdProgram
+    from partir_emu.core.mesh import Mesh
+    from partir_emu.core.spmd import SpmdProgram
     from partir_emu.experiment import Experiment
     from partir_emu.runtime.local_mesh import LocalMesh
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import Placement, load_spec, place, simulate
 from partir_emu.hwmodels.des import DesError, DesOptions, simulate_des
 from partir_emu.hwmodels.des.model import Simulation

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from partir_emu.cli import main
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ArtifactError
 from partir_emu.hwmodels.des.replay import check_trace, expected_rows, read_message_trace, replay, write_message_trace
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from partir_emu.compiler.ir import Eqn, Literal, Program, Var
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.sharding import Sharding
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.ir import Eqn, Literal, Program, Var
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import UnsupportedPrimitiveError
 from partir_emu.hwmodels import cost_rules, load_spec, peak_memory, simulate
 from partir_emu.hwmodels.costs import eqn_cost
@@ -102,8 +102,8 @@ def test_elementwise_roofline():
 
 
 def test_every_traced_primitive_and_collective_has_a_cost_rule():
-    from partir_emu.compiler.spmd import COLLECTIVE_PRIMS
     from partir_emu.compiler.trace import SUPPORTED
+    from partir_emu.core.spmd import COLLECTIVE_PRIMS
     assert set(SUPPORTED) | set(COLLECTIVE_PRIMS) <= set(cost_rules)
 
 

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from partir_emu.compiler.ir import Eqn, Program, Var
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.sharding import Sharding
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.ir import Eqn, Program, Var
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import CollectiveError
 from partir_emu.hwmodels import Placement, Topology, choose_algorithm, load_spec, place, simulate
 from partir_emu.hwmodels.comm import CommModel

@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from partir_emu.compiler.ir import Program, Var
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.spmd import collective_bytes
+from partir_emu.core.ir import Program, Var
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import collective_bytes
 from partir_emu.hwmodels import load_spec, peak_memory, simulate
 
 TINY_MESH = "batch=2,model=2"

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels import Placement, Topology, load_spec, place, topology_for
 from partir_emu.hwmodels.topology import default_slice

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partir_emu.compiler.ir import Eqn, Program, Var
 from partir_emu.compiler.trace import SUPPORTED, trace
+from partir_emu.core.ir import Eqn, Program, Var
 from partir_emu.errors import ArgumentError, UnsupportedPrimitiveError
 from partir_emu.runtime import impl_elementwise
 from partir_emu.runtime.interpreter import eval_program, impl_rules

@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from partir_emu.compiler.ir import Eqn, Literal, Program, Var
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.sharding import Sharding
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.ir import Eqn, Literal, Program, Var
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError, MeshError, UnsupportedPrimitiveError
 from partir_emu.runtime.engine import release_plan, run_spmd
 from partir_emu.runtime.layout import shard, unshard

@@ -9,7 +9,7 @@ import pytest
 
 from partir_emu import ManualPartition, Mesh
 from partir_emu.compiler.api import lower_program, trace
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArtifactError
 from partir_emu.experiment import verify
 from partir_emu.runtime.local_mesh import LocalMesh

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from partir_emu.compiler.auto import AutomaticPartition
-from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 from scenarios import adam_init, adam_update, get_scenario, input_names, list_scenarios, resolve_size
 

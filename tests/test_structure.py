@@ -5,7 +5,7 @@ import pytest
 
 from partir_emu import Mesh
 from partir_emu.compiler.api import lower_program
-from partir_emu.compiler.ir import Var
+from partir_emu.core.ir import Var
 from scenarios.common import STATE_OUTPUTS
 
 LAYERS = 3

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partir_emu.compiler.ir import verify
 from partir_emu.compiler.trace import trace
+from partir_emu.core.ir import verify
 from partir_emu.runtime.interpreter import eval_program
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler.auto import AutomaticPartition, apply_automatic
-from partir_emu.compiler.ir import Program
 from partir_emu.compiler.lower import lower
-from partir_emu.compiler.mesh import Mesh
 from partir_emu.compiler.propagate import ShardingState, apply_tactic
-from partir_emu.compiler.spmd import CollectiveStats, SpmdProgram
 from partir_emu.compiler.tactics import ManualPartition
+from partir_emu.core.ir import Program
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import CollectiveStats, SpmdProgram
 from partir_emu.errors import ArgumentError, MeshError
 
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from partir_emu.compiler.propagate import ShardingState, apply_tactic
-from partir_emu.compiler.spmd import SpmdProgram
 from partir_emu.compiler.tactics import ManualPartition
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import PartirError, TacticError
 
 _LAYER = re.compile(r"(?<=[_/])\d+(?=/|$)")

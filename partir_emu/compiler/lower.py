@@ -19,10 +19,10 @@ gathered again in the backward pass instead of living through the step).
 """
 from __future__ import annotations
 
-from partir_emu.compiler.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.compiler.propagate import ShardingState, _mesh_order
-from partir_emu.compiler.sharding import Sharding
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.core.sharding import Sharding
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import LoweringError
 
 

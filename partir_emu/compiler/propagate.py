@@ -15,12 +15,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from partir_emu.compiler.ir import Eqn, Program, Var
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.rules import FactorRule, rule_for
-from partir_emu.compiler.sharding import Sharding
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
+from partir_emu.core.factors import FactorRule
+from partir_emu.core.ir import Eqn, Program, Var
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
 from partir_emu.errors import ShardingError, TacticError
+from partir_emu.primitives import rule_for
 
 
 @dataclass(frozen=True)

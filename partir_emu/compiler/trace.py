@@ -21,7 +21,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from partir_emu.compiler.ir import Eqn, Literal, Program, Var
+from partir_emu.core.ir import Eqn, Literal, Program, Var
 from partir_emu.errors import TraceError, UnsupportedPrimitiveError
 
 # Call-like primitives that are inlined, and where their body lives.

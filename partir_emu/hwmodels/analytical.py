@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from partir_emu.compiler.ir import Program, Var
-from partir_emu.compiler.spmd import SpmdProgram, collective_bytes
+from partir_emu.core.ir import Program, Var
+from partir_emu.core.spmd import SpmdProgram, collective_bytes
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.costs import KINDS, cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory

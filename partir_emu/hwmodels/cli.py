@@ -47,7 +47,7 @@ def parse_algorithms(text: str | None) -> str | dict[str, str] | None:
     if text is None or not text.strip():
         return None
     from partir_emu.collectives.algorithms import ALGORITHMS
-    from partir_emu.compiler.spmd import COMM_PRIMS
+    from partir_emu.core.spmd import COMM_PRIMS
 
     def check(alg: str) -> str:
         if alg not in ALGORITHMS:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.schedule import CollectiveSchedule
-from partir_emu.compiler.ir import itemsize as dtype_itemsize
+from partir_emu.core.ir import itemsize as dtype_itemsize
 from partir_emu.errors import CollectiveError
 from partir_emu.hwmodels.placement import GroupLayout, Placement
 from partir_emu.hwmodels.topology import Topology

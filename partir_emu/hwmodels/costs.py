@@ -1,7 +1,7 @@
 """Per-primitive cost rules: the FLOPs and HBM bytes of one equation (local shapes).
 
 One table, ``cost_rules``, keyed by primitive name (jax's names plus the SPMD
-collectives); each rule maps an :class:`~partir_emu.compiler.ir.Eqn` to
+collectives); each rule maps an :class:`~partir_emu.core.ir.Eqn` to
 ``(flops, hbm_bytes)``. ``op_kind`` files every primitive under one kind
 (``matmul``, ``elementwise``, ``reduction``, ``memory``, ``collective``,
 ``free``) for the report and for the rate it runs at (matmuls at the chip's
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from partir_emu.compiler.ir import Eqn, Var, itemsize
+from partir_emu.core.ir import Eqn, Var, itemsize
 from partir_emu.errors import UnsupportedPrimitiveError
 
 CostRule = Callable[[Eqn], tuple[float, float]]

@@ -2,10 +2,10 @@
 
 The exact convention, which the in-process runtime reproduces on real arrays:
 
-- Every :class:`~partir_emu.compiler.ir.Var` is its own buffer of ``Var.nbytes``
+- Every :class:`~partir_emu.core.ir.Var` is its own buffer of ``Var.nbytes``
   bytes (local shape × itemsize; no aliasing: a reshape's result counts in
   full). A Var that appears several times (``mul x x``, an output listed twice)
-  counts once. :class:`~partir_emu.compiler.ir.Literal` operands take no memory.
+  counts once. :class:`~partir_emu.core.ir.Literal` operands take no memory.
 - Program points are ``start`` (index ``-1``) and one point per equation ``i``.
 - At ``start`` the program inputs and constants are live.
 - At point ``i`` (while equation ``i`` executes) the live buffers are: every
@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from partir_emu.compiler.ir import Program, Var
-from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.core.ir import Program, Var
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.hwmodels.costs import nbytes_of
 
 PARAM_PREFIXES: tuple[str, ...] = ("params",)

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import MeshError, PlacementError
 from partir_emu.hwmodels.specs import HardwareSpec
 from partir_emu.hwmodels.topology import Topology, topology_for

@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.ir import Atom, Eqn, Literal, Program, Var
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError
 from partir_emu.runtime.interpreter import check_inputs, coerce_result, eval_eqn, output_value
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.runtime.dtypes import is_float, np_dtype
+from partir_emu.core.dtypes import is_float, np_dtype
 
 Rule = Callable[..., Any]
 

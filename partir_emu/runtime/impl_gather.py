@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.runtime.dtypes import is_float
+from partir_emu.core.dtypes import is_float
 
 
 def _starts(idx: np.ndarray, ndim: int, index_map: Sequence[int], operand_batching: Sequence[int],

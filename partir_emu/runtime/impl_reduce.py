@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.runtime.dtypes import np_dtype
+from partir_emu.core.dtypes import np_dtype
 
 
 def _reduce(f: Callable[..., np.ndarray], keep_dtype: bool = False) -> Callable[..., np.ndarray]:

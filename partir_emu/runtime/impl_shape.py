@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.runtime.dtypes import np_dtype
+from partir_emu.core.dtypes import np_dtype
 
 
 def _broadcast_in_dim(x: Any, shape: Sequence[int], broadcast_dimensions: Sequence[int], **_: Any) -> np.ndarray:

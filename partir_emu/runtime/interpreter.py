@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.ir import Atom, Eqn, Literal, Program, Var
-from partir_emu.compiler.spmd import COLLECTIVE_PRIMS
+from partir_emu.core.dtypes import np_dtype
+from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.core.spmd import COLLECTIVE_PRIMS
 from partir_emu.errors import ArgumentError, EmulationError, UnsupportedPrimitiveError
 from partir_emu.runtime import impl_elementwise, impl_gather, impl_reduce, impl_shape
-from partir_emu.runtime.dtypes import np_dtype
 
 impl_rules: dict[str, Callable[..., Any]] = {
     **impl_elementwise.rules,

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.sharding import Sharding
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
 from partir_emu.errors import CollectiveError, EmulationError, ShardingError
 
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.dtypes import np_dtype
+from partir_emu.core.ir import Eqn
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, CollectiveError, EmulationError, MeshError
-from partir_emu.runtime.dtypes import np_dtype
 from partir_emu.runtime.engine import run_spmd
 from partir_emu.runtime.layout import flatten_operand, restore_result, shard, unshard
 

@@ -583,7 +583,7 @@ def run_in_ranks(exp, args) -> dict | None:
     """One rank of a user's ``mpirun -n R partir-emu run … --backend mpi``."""
     from mpi4py import MPI
 
-    from partir_emu.compiler.spmd import SpmdProgram
+    from partir_emu.core.spmd import SpmdProgram
     from partir_emu.experiment import load_inputs_npz, report, verify
     from partir_emu.runtime.mpi_mesh import wait_all
     from partir_emu.runtime.worker import RankGuard, numpy_inputs, run_job

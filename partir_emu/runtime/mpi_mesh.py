@@ -1,7 +1,7 @@
 """The MPI mesh: ``R`` ranks × ``k`` devices per rank, real MPI traffic for every collective.
 
 Placement: rank ``r`` hosts devices ``[r*k, (r+1)*k)``. Devices are numbered
-row-major over the mesh axes (:class:`~partir_emu.compiler.mesh.Mesh`), so the
+row-major over the mesh axes (:class:`~partir_emu.core.mesh.Mesh`), so the
 minor axes are rank-local: with ``Mesh(batch=4, model=2)`` and ``k=2`` every
 ``model`` collective is a set of in-rank copies and every ``batch`` collective
 crosses ranks.
@@ -59,9 +59,9 @@ from mpi4py import MPI
 
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.mpi import SubcommCache, run_native_mpi, run_schedules_mpi
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.core.ir import Eqn
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import EngineResult, run_spmd
 from partir_emu.runtime.layout import flatten_operand, restore_result, shard, unshard

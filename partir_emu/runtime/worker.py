@@ -315,7 +315,7 @@ def run_job(comm, spmd, job: dict, guard: RankGuard, *, inputs: Sequence[np.ndar
 
 def write_trace(path: str | os.PathLike, rows: np.ndarray, spmd, ranks: int, k: int, algorithm: str) -> None:
     """The message trace file (format in the module docstring)."""
-    from partir_emu.compiler.spmd import COMM_PRIMS, collective_bytes
+    from partir_emu.core.spmd import COMM_PRIMS, collective_bytes
     colls = {str(i): {"prim": e.prim, "axes": list(e.params["axes"]), "bytes": collective_bytes(e)}
              for i, e in enumerate(spmd.program.eqns) if e.prim in COMM_PRIMS}
     head = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "mesh": spmd.mesh.to_json(), "devices": spmd.mesh.size,
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     guard = RankGuard(comm, timeout, spec.get("progress_dir"))
     with guard:
-        from partir_emu.compiler.spmd import SpmdProgram
+        from partir_emu.core.spmd import SpmdProgram
         for j, job in enumerate(spec["jobs"]):
             guard.set_phase("load program", job=j)
             spmd = SpmdProgram.load(job["program"])

@@ -122,7 +122,7 @@ def test_cli_self_launched_with_inputs_and_trace(tmp_path):
     """`partir-emu run --backend mpi --devices N` launches mpiexec itself, loads --inputs,
     verifies, reports, and writes a message trace that matches the schedules."""
     from partir_emu.collectives.algorithms import build_schedule
-    from partir_emu.compiler.spmd import COMM_PRIMS
+    from partir_emu.core.spmd import COMM_PRIMS
     from partir_emu.runtime.worker import numpy_inputs, read_trace
     mesh = "batch=2,model=2"
     exp, spmd = lowered("transformer", "bp+mp", mesh)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from partir_emu.compiler.ir import Program, Var
+from partir_emu.core.ir import Program, Var
 
 if TYPE_CHECKING:
     from partir_emu.hwmodels.des.model import Simulation

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from partir_emu.compiler.spmd import SpmdProgram
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.analytical import analyze, compute_times
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des.chunked import ChunkNetwork

@@ -34,7 +34,7 @@ import numpy as np
 import simpy
 
 from partir_emu.collectives.algorithms import build_schedule
-from partir_emu.compiler.mesh import Mesh
+from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ArtifactError
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, build_plan
 from partir_emu.hwmodels.des.model import DesOptions

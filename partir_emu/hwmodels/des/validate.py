@@ -136,7 +136,7 @@ class ProgramCache:
         hit = self._mem.get(key)
         if hit is not None:
             return hit
-        from partir_emu.compiler.spmd import SpmdProgram
+        from partir_emu.core.spmd import SpmdProgram
         path = None
         if self.directory is not None:
             name = "_".join(str(k).replace("/", "-").replace(",", "-").replace("=", "") for k in key) + ".json"
@@ -145,7 +145,7 @@ class ProgramCache:
                 spmd = self._mem[key] = SpmdProgram.load(path)
                 return spmd
         t0 = time.perf_counter()
-        from partir_emu.compiler.mesh import Mesh
+        from partir_emu.core.mesh import Mesh
         from partir_emu.experiment import Experiment
         spmd = Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh), case.preset, case.overrides).lower().spmd
         self.lower_s += time.perf_counter() - t0

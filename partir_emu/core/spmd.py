@@ -1,6 +1,6 @@
 """The lowered per-device program and its file format.
 
-An :class:`SpmdProgram` is one :class:`~partir_emu.compiler.ir.Program` with
+An :class:`SpmdProgram` is one :class:`~partir_emu.core.ir.Program` with
 *local* shapes, run identically by every device of the mesh, in which the
 communication is explicit. Collective primitives (vocabulary close to
 ``jax.lax``), all named by mesh axes; a group over several axes is ordered by
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.ir import Eqn, Literal, Program, Var, nbytes
-from partir_emu.compiler.mesh import Mesh
-from partir_emu.compiler.sharding import Sharding
+from partir_emu.core.ir import Eqn, Literal, Program, Var, nbytes
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
 from partir_emu.errors import ArtifactError
 
 FORMAT = "partir-spmd"

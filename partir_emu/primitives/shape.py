@@ -3,8 +3,9 @@ factors, major→minor); dims that a slice, pad, concatenation or reversal
 changes are blocked."""
 from __future__ import annotations
 
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.rules import Dims, FactorRule, RuleBuilder, register
+from partir_emu.core.factors import Dims, FactorRule, RuleBuilder
+from partir_emu.core.ir import Eqn
+from partir_emu.primitives import register
 
 
 @register("broadcast_in_dim")

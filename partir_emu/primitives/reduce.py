@@ -2,8 +2,9 @@
 reduced dim of max/min/argmax/prod and a scanned dim are blocked."""
 from __future__ import annotations
 
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.rules import FactorRule, RuleBuilder, register
+from partir_emu.core.factors import FactorRule, RuleBuilder
+from partir_emu.core.ir import Eqn
+from partir_emu.primitives import register
 
 
 @register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin")

@@ -7,8 +7,9 @@ dims; indexed dims are blocked. scatter-add: the update's scatter dims are
 and the accumulator operand must carry the same partial axes)."""
 from __future__ import annotations
 
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.rules import FactorRule, RuleBuilder, register
+from partir_emu.core.factors import FactorRule, RuleBuilder
+from partir_emu.core.ir import Eqn
+from partir_emu.primitives import register
 
 
 @register("gather")

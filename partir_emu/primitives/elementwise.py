@@ -2,8 +2,9 @@
 broadcast implicitly, as lax allows for rank-equal operands, gets a factor of its own)."""
 from __future__ import annotations
 
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.rules import FactorRule, RuleBuilder, register
+from partir_emu.core.factors import FactorRule, RuleBuilder
+from partir_emu.core.ir import Eqn
+from partir_emu.primitives import register
 
 UNARY = """neg exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
 sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision""".split()

@@ -1,8 +1,9 @@
 """dot_general: batch dims shared, free dims to the result, contracting dims reduce."""
 from __future__ import annotations
 
-from partir_emu.compiler.ir import Eqn
-from partir_emu.compiler.rules import FactorRule, RuleBuilder, register
+from partir_emu.core.factors import FactorRule, RuleBuilder
+from partir_emu.core.ir import Eqn
+from partir_emu.primitives import register
 
 
 @register("dot_general")

@@ -1,4 +1,4 @@
-"""Sharding rules: one einsum-like factor mapping per primitive (the TMR).
+"""The vocabulary of sharding rules: one einsum-like factor mapping per equation (the TMR).
 
 Every dim of every operand and result maps to a tuple of *factors*
 (major→minor; a reshape gives compound dims). A factor that appears in operands
@@ -6,16 +6,12 @@ but in no result is a *reduction* factor: tiling it makes the result a pending
 sum (partial) over the tiling axes. A *blocked* factor must stay untiled (the
 sliced dim of a slice, the reduced dim of a max, an iota...).
 
-``sharding_rules`` maps a primitive name to ``rule(eqn) -> FactorRule``; the
-rule families live in the sibling modules and register themselves at import.
+A primitive's rule is the ``rule`` facet of its registry entry
+(:mod:`partir_emu.core.registry`); the entries live in :mod:`partir_emu.primitives`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from partir_emu.compiler.ir import Eqn
-from partir_emu.errors import UnsupportedPrimitiveError
 
 Dims = tuple[tuple[int, ...], ...]   # per tensor dim: the factors it is made of
 
@@ -59,30 +55,3 @@ class RuleBuilder:
         return FactorRule(tuple(tuple(tuple(d) for d in o) for o in operands),
                           tuple(tuple(tuple(d) for d in r) for r in results),
                           tuple(self.sizes), frozenset(self.blocked), **kw)
-
-
-sharding_rules: dict[str, Callable[[Eqn], FactorRule]] = {}
-
-
-def register(*prims: str):
-    def deco(fn):
-        for p in prims:
-            sharding_rules[p] = fn
-        return fn
-    return deco
-
-
-def rule_for(eqn: Eqn) -> FactorRule:
-    try:
-        fn = sharding_rules[eqn.prim]
-    except KeyError:
-        raise UnsupportedPrimitiveError(
-            f"primitive {eqn.prim!r} at {eqn.source or '?'} has no sharding rule") from None
-    return fn(eqn)
-
-
-import partir_emu.compiler.rules.dot  # noqa: E402,F401  (the rule families register themselves)
-import partir_emu.compiler.rules.elementwise  # noqa: E402,F401
-import partir_emu.compiler.rules.gather  # noqa: E402,F401
-import partir_emu.compiler.rules.reduce  # noqa: E402,F401
-import partir_emu.compiler.rules.shape  # noqa: E402,F401
