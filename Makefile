@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 JOBS ?= 2
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check partir_emu scenarios tests benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

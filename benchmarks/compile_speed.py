@@ -34,7 +34,7 @@ def main() -> None:
     import jax
     jax.config.update("jax_num_cpu_devices", mesh.size)
 
-    from partir_emu.compiler.api import lower_program, trace
+    from partir_emu.api import lower_program, trace
     from scenarios import get_scenario
     from scenarios.common import STATE_OUTPUTS
 

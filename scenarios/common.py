@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.auto import AutomaticPartition
-from partir_emu.compiler.tactics import REPLICATED, ManualPartition
+from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPartition
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 
@@ -59,7 +58,7 @@ class Scenario:
     size_names: tuple[str, ...]                 # names accepted by ``--set``
     presets: Mapping[str, Config]               # preset name -> full size dict
     simulation_only: frozenset[str]             # presets too big to emulate
-    make_step: Callable[..., Callable]          # make_step(cfg, *, lr=...) -> step
+    make_step: Callable[..., Callable]          # make_step(cfg, *, lr=..., grads_only=False) -> step
     param_shapes: Callable[[Config], dict]      # cfg -> nested dict of shape tuples
     batch_shapes: Callable[[Config], dict]      # cfg -> nested dict of (shape, dtype)
     make_params: Callable[[Config, np.random.Generator], dict]
@@ -370,8 +369,10 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
             tiled[k.pattern][k.mp_dim] = msize
         tactics.append(ManualPartition(inputs, axis=MODEL_AXIS, name=f"mp:{MODEL_AXIS}"))
     if use_auto:
-        # the model axis searched instead of written: the analytical model on TPU v4 prices each choice
-        tactics.append(AutomaticPartition(MODEL_AXIS, inputs="params/*", name=f"auto:{MODEL_AXIS}"))
+        # the model axis searched instead of written: the caller's cost model prices each choice
+        # (partir_emu.api passes the analytical model, on this tactic's hardware)
+        tactics.append(AutomaticPartition(MODEL_AXIS, inputs="params/*", name=f"auto:{MODEL_AXIS}",
+                                          hardware="tpu-v4"))
 
     if zero is not None:
         for ax in daxes:

@@ -15,8 +15,8 @@ def scenario_case(name: str, overrides: str | None = None):
     """(program, flat inputs, reference outputs) of a scenario at its tiny size, computed once."""
     import jax
 
-    from partir_emu.compiler.api import trace
-    from partir_emu.experiment import flatten
+    from partir_emu.api import trace
+    from partir_emu.app.experiment import flatten
     from scenarios import get_scenario
     s = get_scenario(name)
     cfg = s.config("tiny", overrides)

@@ -1,7 +1,7 @@
 """AutomaticPartition: a searched tactic, priced by a cost model, that still computes the right thing."""
 from partir_emu import AutomaticPartition, Mesh
-from partir_emu.compiler.api import lower_program
-from partir_emu.experiment import verify
+from partir_emu.api import lower_program
+from partir_emu.app.experiment import verify
 from partir_emu.hwmodels.memory import peak_memory
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.common import STATE_OUTPUTS

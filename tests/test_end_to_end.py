@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from partir_emu import Mesh
-from partir_emu.compiler.api import lower_program
-from partir_emu.experiment import verify
+from partir_emu.api import lower_program
+from partir_emu.app.experiment import verify
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.common import STATE_OUTPUTS
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from partir_emu import ManualPartition, Mesh
-from partir_emu.compiler.api import lower_program, trace
+from partir_emu.api import lower_program, trace
+from partir_emu.app.experiment import verify
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArtifactError
-from partir_emu.experiment import verify
 from partir_emu.runtime.local_mesh import LocalMesh
 
 RNG = np.random.default_rng(0)

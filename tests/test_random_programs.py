@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from partir_emu import REPLICATED, ManualPartition, Mesh
-from partir_emu.compiler.api import lower_program, trace
+from partir_emu.api import lower_program, trace
+from partir_emu.app.experiment import verify
 from partir_emu.errors import ShardingError
-from partir_emu.experiment import verify
 from partir_emu.runtime.local_mesh import LocalMesh
 
 SIZES = (4, 8, 16)

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 from partir_emu import Mesh
-from partir_emu.compiler.api import lower_program
+from partir_emu.api import lower_program
 from partir_emu.core.ir import Var
 from scenarios.common import STATE_OUTPUTS
 

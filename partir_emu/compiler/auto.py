@@ -8,36 +8,29 @@ Megatron. Greedy coordinate descent over the families (in input order), then a
 second pass; each candidate is partitioned from the state the earlier tactics
 left, lowered, and priced. Deterministic: ties keep the earlier (simpler) choice.
 
-The default cost is the analytical model's step time on ``hardware`` plus a
-penalty when the program does not fit in HBM, so the search trades
-communication against memory the way the simulator sees it.
+The compiler knows no hardware: each candidate is priced by the tactic's own
+``cost``, or else by the ``cost_model`` the caller passes (a function of the tactic,
+so that it can read ``hardware``). The app layer (:mod:`partir_emu.api`) passes the
+analytical model's step time on ``hardware`` plus a penalty when the program does not
+fit in HBM, so the search trades communication against memory the way the simulator
+sees it.
 """
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from partir_emu.compiler.propagate import ShardingState, apply_tactic
-from partir_emu.compiler.tactics import ManualPartition
+from partir_emu.compiler.lower import lower
+from partir_emu.compiler.propagate import apply_tactic
+from partir_emu.compiler.state import ShardingState
+from partir_emu.compiler.tactics import AutomaticPartition, CostModel, ManualPartition
+from partir_emu.core.ir import Var
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import PartirError, TacticError
 
 _LAYER = re.compile(r"(?<=[_/])\d+(?=/|$)")
-
-
-@dataclass(frozen=True)
-class AutomaticPartition:
-    axis: str
-    inputs: str | Sequence[str] = "params/*"
-    name: str = ""
-    hardware: str = "tpu-v4"
-    passes: int = 2
-    cost: Callable[[SpmdProgram], float] | None = None
-
-    def describe(self) -> str:
-        return self.name or f"AutomaticPartition(axis={self.axis!r}, inputs={self.inputs!r})"
 
 
 @dataclass(frozen=True)
@@ -60,22 +53,21 @@ def family(name: str) -> str:
     return _LAYER.sub("*", name)
 
 
-def default_cost(hardware: str) -> Callable[[SpmdProgram], float]:
-    from partir_emu.hwmodels.analytical import simulate
-    from partir_emu.hwmodels.specs import load_spec
-    spec = load_spec(hardware)
+def cost_function(tactic: AutomaticPartition, cost_model: CostModel | None) -> Callable[[SpmdProgram], float]:
+    """The tactic's own ``cost``, else ``cost_model(tactic)``; a TacticError says what to pass."""
+    if tactic.cost is not None:
+        return tactic.cost
+    if cost_model is None:
+        raise TacticError(f"{tactic.describe()}: no cost to search with; give the tactic cost=<SpmdProgram -> "
+                          "float>, or pass cost_model=<AutomaticPartition -> cost function> to partition/"
+                          "lower_program (partir_emu.api.lower_program and jit pass the analytical model)")
+    return cost_model(tactic)
 
-    def cost(spmd: SpmdProgram) -> float:
-        rep = simulate(spmd, spec)
-        over = max(0, rep.peak_bytes_per_device - rep.hbm_bytes)
-        return rep.step_s * (1.0 + over / max(rep.hbm_bytes, 1))
-    return cost
 
-
-def search(state: ShardingState, tactic: AutomaticPartition, index: int) -> SearchResult:
-    from partir_emu.compiler.lower import lower
+def options(state: ShardingState, tactic: AutomaticPartition) -> dict[str, list[int]]:
+    """family pattern -> the dims every input of the family could be tiled on by the tactic's axis
+    (the axis is unused on them and the dim divides); families with no such dim are left out."""
     p, mesh = state.program, state.mesh
-    mesh.check_axis(tactic.axis)
     n = mesh.axis_size(tactic.axis)
     pats = [tactic.inputs] if isinstance(tactic.inputs, str) else list(tactic.inputs)
     fams: dict[str, list[int]] = {}
@@ -84,24 +76,27 @@ def search(state: ShardingState, tactic: AutomaticPartition, index: int) -> Sear
             fams.setdefault(family(name), []).append(i)
     if not fams:
         raise TacticError(f"{tactic.describe()}: pattern(s) {pats} match no input")
-    options: dict[str, list[int]] = {}
+
+    def fits(v: Var, d: int, ndim: int) -> bool:
+        have = state.value_dims[v]
+        return v.ndim == ndim and not any(tactic.axis in x for x in have) \
+            and v.shape[d] % (mesh.group_size(have[d]) * n) == 0
+
+    out: dict[str, list[int]] = {}
     for fam, idx in fams.items():
-        v0 = p.inputs[idx[0]]
-        dims = []
-        for d in range(v0.ndim):
-            ok = True
-            for i in idx:
-                v = p.inputs[i]
-                have = state.value_dims[v]
-                if v.ndim != v0.ndim or tactic.axis in [a for x in have for a in x] \
-                        or v.shape[d] % (mesh.group_size(have[d]) * n):
-                    ok = False
-                    break
-            if ok:
-                dims.append(d)
+        ndim = p.inputs[idx[0]].ndim
+        dims = [d for d in range(ndim) if all(fits(p.inputs[i], d, ndim) for i in idx)]
         if dims:
-            options[fam] = dims
-    cost_fn = tactic.cost or default_cost(tactic.hardware)
+            out[fam] = dims
+    return out
+
+
+def search(state: ShardingState, tactic: AutomaticPartition, index: int,
+           cost_model: CostModel | None = None) -> SearchResult:
+    """Greedy coordinate descent over the tactic's input families (see the module docstring)."""
+    state.mesh.check_axis(tactic.axis)
+    choices = options(state, tactic)
+    cost_fn = cost_function(tactic, cost_model)
     label = tactic.name or f"auto:{tactic.axis}"
     evals = 0
 
@@ -120,12 +115,11 @@ def search(state: ShardingState, tactic: AutomaticPartition, index: int) -> Sear
     baseline = best_cost = evaluate(best)
     for _ in range(tactic.passes):
         improved = False
-        for fam, dims in options.items():
+        for fam, dims in choices.items():
             for d in dims:
                 if best.get(fam) == d:
                     continue
-                cand = dict(best)
-                cand[fam] = d
+                cand = {**best, fam: d}
                 c = evaluate(cand)
                 if c < best_cost * (1 - 1e-9):
                     best, best_cost, improved = cand, c, True
@@ -139,8 +133,10 @@ def search(state: ShardingState, tactic: AutomaticPartition, index: int) -> Sear
     return SearchResult(best, best_cost, baseline, evals)
 
 
-def apply_automatic(state: ShardingState, tactic: AutomaticPartition, index: int) -> SearchResult:
-    res = search(state, tactic, index)
+def apply_automatic(state: ShardingState, tactic: AutomaticPartition, index: int,
+                    cost_model: CostModel | None = None) -> SearchResult:
+    """Search, then apply the best decisions as a ManualPartition (recorded in ``auto_results``)."""
+    res = search(state, tactic, index, cost_model)
     label = tactic.name or f"auto:{tactic.axis}"
     if res.decisions:
         apply_tactic(state, res.as_tactic(tactic.axis, label), index)

@@ -19,11 +19,12 @@ gathered again in the backward pass instead of living through the step).
 """
 from __future__ import annotations
 
-from partir_emu.compiler.propagate import ShardingState, _mesh_order
+from partir_emu.compiler.state import ShardingState, mesh_order
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import LoweringError
+from partir_emu.primitives import get
 
 
 class _Lowerer:
@@ -100,7 +101,7 @@ class _Lowerer:
                     break
             if run:
                 rs[d] = tuple(run)
-        rest = _mesh_order(mesh, [a for a in resolve if not any(a in r for r in rs.values())])
+        rest = mesh_order(mesh, [a for a in resolve if not any(a in r for r in rs.values())])
         if rest:   # on the smaller (still tiled) buffer, before any gather
             step("all_reduce", {"axes": rest, "op": "sum"}, cur_dims)
         for d in range(len(gather)):
@@ -131,7 +132,7 @@ class _Lowerer:
                 nd[d] = cur_dims[d] + slc[d]
                 step("all_slice", {"axes": slc[d], "dim": d}, nd)
         if new_partial:
-            step("to_partial", {"axes": _mesh_order(mesh, new_partial)}, cur_dims)
+            step("to_partial", {"axes": mesh_order(mesh, new_partial)}, cur_dims)
         assert tuple(cur_dims) == dst.dims, (cur_dims, dst)
         return x, all(k == "all_gather" for k in kinds)
 
@@ -153,7 +154,8 @@ class _Lowerer:
             consts.append((v, c))
         for i, e in enumerate(p.eqns):
             self.lower_eqn(i, e)
-        outs, out_shardings = [], []
+        outs: list[Atom] = []
+        out_shardings: list[Sharding] = []
         for k, (o, name) in enumerate(zip(p.outputs, p.output_names)):
             if isinstance(o, Literal):
                 outs.append(o)
@@ -173,7 +175,7 @@ class _Lowerer:
         rule = st.rules[i]
         F = st.eqn_factors[i]
         used = {a for ax in F.values() for a in ax}
-        red = _mesh_order(self.mesh, [a for f in rule.reduction for a in F.get(f, ())])
+        red = mesh_order(self.mesh, [a for f in rule.reduction for a in F.get(f, ())])
         passthrough: tuple[str, ...] = ()
         if rule.linear:
             partials = {self.actual[a].partial if isinstance(a, Var) else () for a in e.inputs}
@@ -194,7 +196,7 @@ class _Lowerer:
         outs = []
         for k, o in enumerate(e.outputs):
             s = st.result_sharding(i, k)
-            s = s.with_partial(_mesh_order(self.mesh, set(s.partial) | set(passthrough)))
+            s = s.with_partial(mesh_order(self.mesh, set(s.partial) | set(passthrough)))
             lv = self.new_var(s.local_shape(o.shape, self.mesh), o.dtype)
             self.actual[o], self.local[o] = s, lv
             outs.append(lv)
@@ -203,25 +205,12 @@ class _Lowerer:
 
 
 def localize_params(e: Eqn, ins, outs) -> dict:
-    """Rewrite the parameters that spell out global sizes for the local shapes."""
-    p = dict(e.params)
-    prim = e.prim
-    if prim == "broadcast_in_dim":
-        p["shape"] = outs[0].shape
-    elif prim == "reshape":
-        p["new_sizes"] = outs[0].shape
-    elif prim == "iota":
-        p["shape"] = outs[0].shape
-    elif prim == "dynamic_slice":
-        p["slice_sizes"] = outs[0].shape
-    elif prim == "gather":
-        g, loc = e.inputs[0].shape, ins[0].shape
-        p["slice_sizes"] = tuple(lo if s == gs else s for s, gs, lo in zip(p["slice_sizes"], g, loc))
-    elif prim == "slice":
-        g, loc = e.inputs[0].shape, ins[0].shape
-        p["limit_indices"] = tuple(lo if (gs != lo and lim == gs) else lim
-                                   for lim, gs, lo in zip(p["limit_indices"], g, loc))
-    return p
+    """The parameters of ``e`` for its local shapes: the ``localize`` facet of its registry entry
+    rewrites those that spell out global sizes; the others are kept."""
+    entry = get(e.prim)
+    if entry is None or entry.localize is None:
+        return dict(e.params)
+    return entry.localize(e, ins, outs)
 
 
 def lower(state: ShardingState, state_outputs: dict[str, str] | None = None) -> SpmdProgram:

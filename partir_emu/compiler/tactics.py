@@ -5,14 +5,16 @@ A schedule is an ordered list of tactics, each using one mesh axis. A
 replicated on it); propagation then carries that axis through the program.
 Input names are pytree paths such as ``params/layer_3/mlp/w_in``; patterns are
 shell globs (``*`` also matches ``/``), tried in the order written; the first
-pattern that matches an input decides for it.
+pattern that matches an input decides for it. An ``AutomaticPartition`` searches those
+decisions instead (:mod:`partir_emu.compiler.auto`), priced by a cost function.
 """
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import TacticError
 
 
@@ -68,15 +70,24 @@ class ManualPartition:
         return out
 
 
-Tactic = ManualPartition
-
-
 @dataclass(frozen=True)
-class Schedule:
-    tactics: tuple[Tactic, ...] = field(default_factory=tuple)
+class AutomaticPartition:
+    """Search the decisions a ManualPartition on ``axis`` would make for the ``inputs`` patterns
+    (see :mod:`partir_emu.compiler.auto`), pricing each candidate with ``cost``, or else with the
+    cost model the caller of ``partition``/``lower_program`` passes."""
 
-    def __iter__(self):
-        return iter(self.tactics)
+    axis: str
+    inputs: str | Sequence[str] = "params/*"
+    name: str = ""
+    hardware: str = "tpu-v4"          # read by the caller's cost model, not by the compiler
+    passes: int = 2
+    cost: Callable[[SpmdProgram], float] | None = None
 
-    def __len__(self) -> int:
-        return len(self.tactics)
+    def describe(self) -> str:
+        return self.name or f"AutomaticPartition(axis={self.axis!r}, inputs={self.inputs!r})"
+
+
+Tactic = ManualPartition | AutomaticPartition
+
+# how a caller prices the candidates of an AutomaticPartition that has no ``cost`` of its own
+CostModel = Callable[[AutomaticPartition], Callable[[SpmdProgram], float]]

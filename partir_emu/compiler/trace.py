@@ -21,8 +21,10 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
 from partir_emu.errors import TraceError, UnsupportedPrimitiveError
+from partir_emu.primitives import get
 
 # Call-like primitives that are inlined, and where their body lives.
 _CALL_PARAMS = {
@@ -30,18 +32,6 @@ _CALL_PARAMS = {
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
     "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr", "custom_lin": None,
 }
-
-# Every primitive the rest of the system handles (sharding rule, numpy impl, cost).
-SUPPORTED = frozenset("""
-neg exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
-sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision
-add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter
-select_n clamp
-broadcast_in_dim reshape transpose squeeze expand_dims concatenate slice pad dynamic_slice
-dynamic_update_slice rev iota split
-reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin cumsum cumprod cummax cummin
-dot_general gather scatter-add
-""".split())
 
 # Parameters that carry no meaning for us (layout, sharding hints, jaxprs of
 # reductions whose kind is in the primitive name). Dropped during normalization.
@@ -156,17 +146,19 @@ class _Builder:
                                                     "to inline")
                 where = _where(e) or outer
                 if hasattr(body, "jaxpr"):  # ClosedJaxpr
-                    outs = self.inline(body.jaxpr, body.consts, ins, where)
+                    results = self.inline(body.jaxpr, body.consts, ins, where)
                 else:
-                    outs = self.inline(body, [], ins, where)
-                for ov, o in zip(e.outvars, outs):
+                    results = self.inline(body, [], ins, where)
+                for ov, o in zip(e.outvars, results):
                     env[ov] = o
                 continue
             where = _where(e) or outer
-            if name not in SUPPORTED:
+            entry = get(name)
+            if entry is None or not entry.traceable:
                 raise UnsupportedPrimitiveError(
                     f"primitive {name!r} at {where} is not supported by partir_emu; rewrite that part of the "
-                    f"function with supported jax.numpy/lax operations (see partir_emu.compiler.trace.SUPPORTED)")
+                    f"function with supported jax.numpy/lax operations, or add an entry for it in "
+                    f"partir_emu.primitives (the traceable ones: partir_emu.primitives.names(traceable=True))")
             params = {k: normalize_param(v) for k, v in e.params.items() if k not in _DROP}
             outs = [self.new_var(ov.aval) for ov in e.outvars]
             self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, where))
@@ -199,17 +191,3 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
     out_names = [_path_str(p) or "out" for p, _ in leaves]
     eqns, consts = dead_code_elimination(b.eqns, b.consts, outs)
     return Program(tuple(inputs), tuple(names), tuple(eqns), tuple(outs), tuple(out_names), tuple(consts))
-
-
-def dead_code_elimination(eqns, consts, outputs):
-    """Drop equations whose results nothing reads (every supported primitive is pure).
-    jax's backward pass leaves such values behind (e.g. the zeros cotangent of a masked
-    ``where``): lowered unsharded they would distort memory and time at full size."""
-    live = {o for o in outputs if isinstance(o, Var)}
-    kept = []
-    for e in reversed(eqns):
-        if any(o in live for o in e.outputs):
-            kept.append(e)
-            live.update(a for a in e.inputs if isinstance(a, Var))
-    kept.reverse()
-    return kept, [(v, c) for v, c in consts if v in live]

@@ -21,7 +21,7 @@ def np_dtype(name: str) -> np.dtype:
     except TypeError:
         pass
     try:
-        import ml_dtypes
+        import ml_dtypes  # optional: only programs with bfloat16 / float8 values need it
     except ImportError:
         raise EmulationError(f"dtype {name!r} needs the ml_dtypes package; install it (pip install ml_dtypes)") from None
     try:

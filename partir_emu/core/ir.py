@@ -178,9 +178,9 @@ def verify(program: Program) -> None:
         for o in e.outputs:
             assert o not in defined, f"{o} defined twice"
             defined.add(o)
-    for o in program.outputs:
-        if isinstance(o, Var):
-            assert o in defined, f"output {o} undefined"
+    for out in program.outputs:
+        if isinstance(out, Var):
+            assert out in defined, f"output {out} undefined"
 
 
 _SHORT = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int32": "i32",

@@ -18,14 +18,15 @@ A :class:`Primitive` holds every facet of one primitive that some layer needs:
                 runtime and the hardware models handle themselves).
 
 The entries are defined in :mod:`partir_emu.primitives`, one module per family; importing
-that package fills the registry. Adding a primitive means adding one entry there (a test
+that package fills the registry (so consumers read it through the names that package
+re-exports). Adding a primitive means adding one entry there (a test
 checks that every traceable primitive has every facet).
 
 This module imports nothing but the core.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ KINDS = ("matmul", "elementwise", "reduction", "memory", "collective", "free")
 RuleFn = Callable[[Eqn], FactorRule]
 ImplFn = Callable[..., Any]
 CostFn = Callable[[Eqn], tuple[float, float]]
-LocalizeFn = Callable[[Eqn, tuple, tuple], dict]
+LocalizeFn = Callable[[Eqn, Sequence[Any], Sequence[Any]], dict]   # (eqn, local operands, local results)
 
 
 @dataclass(frozen=True)

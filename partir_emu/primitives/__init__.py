@@ -1,37 +1,30 @@
 """Every primitive partir_emu supports, one module per family, each entry registered in
-:mod:`partir_emu.core.registry` with all of its facets.
+:mod:`partir_emu.core.registry` with all of its facets (sharding rule, numpy impl, cost,
+kind, localisation, traceability).
 
-Importing this package fills the registry. :func:`rule_for` is the sharding rule of one
-equation.
+Importing this package fills the registry; its consumers (compiler, runtime, hwmodels) read
+the registry through the names re-exported here, so that they always see it filled.
+:func:`rule_for` is the sharding rule of one equation.
+
+Families: ``elementwise``, ``shape``, ``reduce`` (reductions, scans, sort), ``dot``,
+``gather`` (gather, scatter-add), ``collectives`` (the SPMD primitives lowering emits).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from partir_emu.core.factors import FactorRule
 from partir_emu.core.ir import Eqn
+from partir_emu.core.registry import KINDS, Primitive, get, lookup, names, registered
 from partir_emu.errors import UnsupportedPrimitiveError
+from partir_emu.primitives import collectives, dot, elementwise, gather, reduce, shape  # noqa: F401  (register)
 
-# transitional: the sharding facet only (the registry entries replace this table)
-sharding_rules: dict[str, Callable[[Eqn], FactorRule]] = {}
-
-
-def register(*prims: str):
-    def deco(fn):
-        for p in prims:
-            sharding_rules[p] = fn
-        return fn
-    return deco
+__all__ = ["KINDS", "Primitive", "get", "lookup", "names", "registered", "rule_for"]
 
 
 def rule_for(eqn: Eqn) -> FactorRule:
     """The factor rule of one equation; UnsupportedPrimitiveError names a primitive without one."""
-    try:
-        fn = sharding_rules[eqn.prim]
-    except KeyError:
+    entry = get(eqn.prim)
+    if entry is None or entry.rule is None:
         raise UnsupportedPrimitiveError(
-            f"primitive {eqn.prim!r} at {eqn.source or '?'} has no sharding rule") from None
-    return fn(eqn)
-
-
-from partir_emu.primitives import dot, elementwise, gather, reduce, shape  # noqa: E402,F401  (families register)
+            f"primitive {eqn.prim!r} at {eqn.source or '?'} has no sharding rule "
+            f"(no {'entry' if entry is None else 'rule facet'} in partir_emu.primitives)")
+    return entry.rule(eqn)

@@ -1,25 +1,38 @@
-"""Elementwise primitives: ``ij,ij->ij`` (scalar operands have no dims; a size-1 dim
-broadcast implicitly, as lax allows for rank-equal operands, gets a factor of its own)."""
+"""Elementwise primitives: unary, binary, select_n, clamp, conversions.
+
+Sharding rule ``ij,ij->ij`` (scalar operands have no dims; a size-1 dim broadcast implicitly,
+as lax allows for rank-equal operands, gets a factor of its own); pending sums pass through the
+linear ones. numpy impls with ``jax.lax`` semantics (the interpreter casts each result to the
+equation's dtype, so an impl may compute in a wider type: ``erf`` computes in float64). Cost:
+1 FLOP per output element, except the copies and conversions, which are memory ops.
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from partir_emu.core.dtypes import is_float, np_dtype
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
-from partir_emu.primitives import register
+from partir_emu.core.registry import Primitive, register
+from partir_emu.primitives._costs import copy_cost, elementwise_cost
+from partir_emu.primitives._special import erf64, erf_inv64, erfc64
 
-UNARY = """neg exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv rsqrt sqrt cbrt abs sign floor ceil round not
-sin cos tan is_finite integer_pow square stop_gradient copy copy_p convert_element_type reduce_precision""".split()
-BINARY = "add add_any sub mul div rem pow max min and or xor eq ne lt le gt ge atan2 nextafter".split()
-OTHER = ["select_n", "clamp"]
+Impl = Callable[..., Any]
+
 # Pending sums pass through these unchanged (linear in every operand).
 LINEAR = {"add", "add_any", "sub", "neg", "copy", "copy_p", "convert_element_type"}
+# Filed as memory traffic, not arithmetic, by the hardware models.
+MEMORY = {"copy", "copy_p", "convert_element_type", "reduce_precision", "stop_gradient"}
 
 
-@register(*UNARY, *BINARY, *OTHER)
 def elementwise_rule(eqn: Eqn) -> FactorRule:
     b = RuleBuilder()
     out = eqn.outputs[0]
     dims = b.fresh_dims(out.shape)
-    ops = []
+    ops: list[tuple] = []
     for a in eqn.inputs:
         if a.ndim != out.ndim:   # a scalar operand
             ops.append(())
@@ -28,3 +41,175 @@ def elementwise_rule(eqn: Eqn) -> FactorRule:
     linear = eqn.prim in LINEAR and not (eqn.prim == "convert_element_type"
                                          and not eqn.params.get("new_dtype", "").startswith(("float", "bfloat")))
     return b.rule(ops, [dims], linear=linear)
+
+
+def _unary(f: Callable[[np.ndarray], np.ndarray]) -> Impl:
+    return lambda x, **_: f(x)
+
+
+def _binary(f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Impl:
+    return lambda x, y, **_: f(x, y)
+
+
+# -- impls ------------------------------------------------------------------------------
+def _div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    x, y = np.asarray(x), np.asarray(y)
+    if x.dtype.kind in "iu" and np.result_type(x, y).kind in "iu":
+        q = np.floor_divide(x, y)
+        if x.dtype.kind == "i":  # lax.div rounds toward zero, numpy floors
+            q = q + ((np.remainder(x, y) != 0) & ((x < 0) != (y < 0)))
+        return q
+    return np.true_divide(x, y)
+
+
+def _round(x: np.ndarray, rounding_method: Any = 0, **_: Any) -> np.ndarray:
+    # lax.RoundingMethod: 0 / AWAY_FROM_ZERO, 1 / TO_NEAREST_EVEN
+    if rounding_method in (1, "TO_NEAREST_EVEN"):
+        return np.round(x)
+    a = np.abs(x)
+    fl = np.floor(a)
+    # compare the exact fraction with 0.5 (floor(a + 0.5) rounds 0.49999997 up in float32)
+    return np.copysign(np.where(a - fl >= 0.5, fl + 1, fl), x)
+
+
+def _logistic(x: np.ndarray, **_: Any) -> np.ndarray:
+    one = np.asarray(1, x.dtype)
+    return one / (one + np.exp(-x))
+
+
+def _integer_pow(x: np.ndarray, y: int, **_: Any) -> np.ndarray:
+    if y >= 0 or is_float(x.dtype):
+        return np.power(x, y) if y >= 0 else np.asarray(1, x.dtype) / np.power(x, -y)
+    return np.power(x.astype(np.float64), y)
+
+
+def _pow(x: Any, y: Any, **_: Any) -> np.ndarray:
+    if isinstance(y, (int, float)):  # a weak literal exponent takes x's dtype
+        return np.power(x, y)
+    x, y = np.asarray(x), np.asarray(y)
+    if is_float(x.dtype) and y.dtype.kind in "iu":  # lax.pow(float, int): stay in x's dtype
+        y = y.astype(x.dtype)
+    return np.power(x, y)
+
+
+def _select_n(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
+    which = np.asarray(which)
+    if which.dtype == np.bool_:
+        assert len(cases) == 2, "select_n with a bool predicate takes two cases"
+        return np.where(which, cases[1], cases[0])
+    out = cases[0]
+    for i, c in enumerate(cases[1:], start=1):
+        out = np.where(which == i, c, out)
+    return out
+
+
+def _clamp(lo: np.ndarray, x: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return np.minimum(np.maximum(x, lo), hi)
+
+
+def _convert(x: np.ndarray, new_dtype: str, **_: Any) -> np.ndarray:
+    x = np.asarray(x)
+    dt = np_dtype(new_dtype)
+    if dt.kind in "iu" and is_float(x.dtype):
+        # XLA saturates float→int and maps NaN to 0; numpy's cast is undefined there
+        info = np.iinfo(dt)
+        f = x.astype(np.float64)
+        out = np.trunc(np.where(np.isnan(f), 0.0, np.clip(f, info.min, info.max)))
+        res = out.astype(dt)
+        res = np.where(f >= float(info.max), info.max, res)
+        return np.where(f <= float(info.min), info.min, res).astype(dt)
+    if dt == np.bool_:
+        return x != 0
+    return x.astype(dt)
+
+
+_FLOAT_BITS = {  # dtype name → (total bits, exponent bits, mantissa bits, uint dtype)
+    "float16": (16, 5, 10, np.uint16), "bfloat16": (16, 8, 7, np.uint16),
+    "float32": (32, 8, 23, np.uint32), "float64": (64, 11, 52, np.uint64),
+}
+
+
+def _reduce_precision(x: np.ndarray, exponent_bits: int, mantissa_bits: int, **_: Any) -> np.ndarray:
+    """XLA's ReducePrecision: round the mantissa to nearest-even, flush out-of-range exponents."""
+    nbits, src_exp, src_mant, udt = _FLOAT_BITS[x.dtype.name]
+    bits = np.ascontiguousarray(x).view(udt).copy()
+    one: Any = udt(1)
+    if mantissa_bits < src_mant:
+        shift = udt(src_mant - mantissa_bits)
+        last = one << shift
+        bias = (last >> one) - one
+        bits = (bits + (((bits & last) >> shift) + bias)) & ~(last - one)
+    if exponent_bits < src_exp:
+        sign = one << udt(nbits - 1)
+        exp_mask = ((one << udt(src_exp)) - one) << udt(src_mant)
+        exp_bias = (1 << (src_exp - 1)) - 1
+        red_bias = (1 << (exponent_bits - 1)) - 1
+        e = bits & exp_mask
+        overflow = e > udt((exp_bias + red_bias) << src_mant)
+        underflow = e <= udt((exp_bias - red_bias) << src_mant)
+        signed_zero = bits & sign
+        bits = np.where(overflow, signed_zero | exp_mask, np.where(underflow, signed_zero, bits)).astype(udt)
+    out = bits.view(x.dtype)
+    return np.where(np.isnan(x), x, out) if mantissa_bits < src_mant else out
+
+
+IMPLS: dict[str, Impl] = {
+    "neg": _unary(np.negative),
+    "exp": _unary(np.exp),
+    "exp2": _unary(np.exp2),
+    "log": _unary(np.log),
+    "log1p": _unary(np.log1p),
+    "expm1": _unary(np.expm1),
+    "tanh": _unary(np.tanh),
+    "logistic": _logistic,
+    "erf": _unary(erf64),
+    "erfc": _unary(erfc64),
+    "erf_inv": _unary(erf_inv64),
+    "rsqrt": _unary(lambda x: np.asarray(1, x.dtype) / np.sqrt(x)),
+    "sqrt": _unary(np.sqrt),
+    "cbrt": _unary(np.cbrt),
+    "abs": _unary(np.abs),
+    "sign": _unary(np.sign),
+    "floor": _unary(np.floor),
+    "ceil": _unary(np.ceil),
+    "round": _round,
+    "not": _unary(np.invert),
+    "sin": _unary(np.sin),
+    "cos": _unary(np.cos),
+    "tan": _unary(np.tan),
+    "is_finite": _unary(np.isfinite),
+    "integer_pow": _integer_pow,
+    "square": _unary(np.square),
+    "stop_gradient": _unary(lambda x: x),
+    "copy": _unary(np.copy),
+    "copy_p": _unary(np.copy),
+    "convert_element_type": _convert,
+    "reduce_precision": _reduce_precision,
+    "add": _binary(np.add),
+    "add_any": _binary(np.add),
+    "sub": _binary(np.subtract),
+    "mul": _binary(np.multiply),
+    "div": _binary(_div),
+    "rem": _binary(np.fmod),  # lax.rem takes the sign of the dividend (C fmod), ints too
+    "pow": _pow,
+    "max": _binary(np.maximum),
+    "min": _binary(np.minimum),
+    "and": _binary(np.bitwise_and),
+    "or": _binary(np.bitwise_or),
+    "xor": _binary(np.bitwise_xor),
+    "eq": _binary(np.equal),
+    "ne": _binary(np.not_equal),
+    "lt": _binary(np.less),
+    "le": _binary(np.less_equal),
+    "gt": _binary(np.greater),
+    "ge": _binary(np.greater_equal),
+    "atan2": _binary(np.arctan2),
+    "nextafter": _binary(np.nextafter),
+    "select_n": lambda which, *cases, **_: _select_n(which, *cases),
+    "clamp": lambda lo, x, hi, **_: _clamp(lo, x, hi),
+}
+
+# every elementwise op shares the rule; the kind and cost depend only on MEMORY
+register(*(Primitive(name, kind="memory" if name in MEMORY else "elementwise", rule=elementwise_rule, impl=impl,
+                     cost=copy_cost if name in MEMORY else elementwise_cost)
+           for name, impl in IMPLS.items()))

@@ -1,13 +1,25 @@
-"""Reductions and scans. Tiling a summed dim makes the result partial; the
-reduced dim of max/min/argmax/prod and a scanned dim are blocked."""
+"""Reductions, cumulative scans and sort.
+
+Rules: tiling a summed dim makes the result partial; the reduced dim of max/min/argmax/prod,
+a scanned dim and a sorted dim are blocked (each device would need the whole row). Costs:
+1 FLOP per input element (``n·⌈log2 n⌉`` per row for sort), kind ``reduction``.
+"""
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
-from partir_emu.primitives import register
+from partir_emu.core.registry import Primitive, register
+from partir_emu.primitives._costs import Cost, elems, in_bytes, out_bytes, reduction_cost
 
 
-@register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin")
+# -- rules ------------------------------------------------------------------------------
 def reduce_rule(eqn: Eqn) -> FactorRule:
     x = eqn.inputs[0]
     axes = set(eqn.params["axes"])
@@ -18,9 +30,86 @@ def reduce_rule(eqn: Eqn) -> FactorRule:
     return b.rule([dims], [out], linear=summed)
 
 
-@register("cumsum", "cumprod", "cummax", "cummin")
 def scan_rule(eqn: Eqn) -> FactorRule:
     x = eqn.inputs[0]
     b = RuleBuilder()
     dims = [(b.new(n, blocked=(i == eqn.params["axis"])),) for i, n in enumerate(x.shape)]
     return b.rule([dims], [dims])
+
+
+# -- impls ------------------------------------------------------------------------------
+def _reduce(f: Callable[..., np.ndarray], keep_dtype: bool = False) -> Callable[..., np.ndarray]:
+    def impl(x: np.ndarray, *, axes: Sequence[int], **_: Any) -> np.ndarray:
+        # keep_dtype: accumulate in the operand's type as XLA does (numpy widens ints)
+        return f(x, axis=tuple(axes), dtype=x.dtype) if keep_dtype else f(x, axis=tuple(axes))
+    return impl
+
+
+def _reduce_logical(ufunc: np.ufunc) -> Callable[..., np.ndarray]:
+    def impl(x: np.ndarray, *, axes: Sequence[int], **_: Any) -> np.ndarray:
+        return ufunc.reduce(x, axis=tuple(axes))
+    return impl
+
+
+def _arg(f: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def impl(x: np.ndarray, *, axes: Sequence[int], index_dtype: str, **_: Any) -> np.ndarray:
+        (axis,) = axes
+        return f(x, axis=axis).astype(np_dtype(index_dtype))
+    return impl
+
+
+def _cumulative(f: Callable[[np.ndarray, int], np.ndarray]) -> Callable[..., np.ndarray]:
+    def impl(x: np.ndarray, *, axis: int, reverse: bool = False, **_: Any) -> np.ndarray:
+        if reverse:
+            return np.flip(f(np.flip(x, axis), axis), axis)
+        return f(x, axis)
+    return impl
+
+
+_RULE_AND_IMPL: dict[str, tuple[Callable[[Eqn], FactorRule], Callable[..., Any]]] = {
+    "reduce_sum": (reduce_rule, _reduce(np.sum, keep_dtype=True)),
+    "reduce_prod": (reduce_rule, _reduce(np.prod, keep_dtype=True)),
+    "reduce_max": (reduce_rule, _reduce(np.max)),
+    "reduce_min": (reduce_rule, _reduce(np.min)),
+    "reduce_and": (reduce_rule, _reduce_logical(np.bitwise_and)),
+    "reduce_or": (reduce_rule, _reduce_logical(np.bitwise_or)),
+    "argmax": (reduce_rule, _arg(np.argmax)),
+    "argmin": (reduce_rule, _arg(np.argmin)),
+    "cumsum": (scan_rule, _cumulative(lambda x, a: np.cumsum(x, axis=a, dtype=x.dtype))),
+    "cumprod": (scan_rule, _cumulative(lambda x, a: np.cumprod(x, axis=a, dtype=x.dtype))),
+    "cummax": (scan_rule, _cumulative(lambda x, a: np.maximum.accumulate(x, axis=a))),
+    "cummin": (scan_rule, _cumulative(lambda x, a: np.minimum.accumulate(x, axis=a))),
+}
+register(*(Primitive(name, kind="reduction", rule=rule, impl=impl, cost=reduction_cost)
+           for name, (rule, impl) in _RULE_AND_IMPL.items()))
+
+
+# -- sort: one entry, every facet -------------------------------------------------------
+def sort_rule(eqn: Eqn) -> FactorRule:
+    """All operands and results share one shape: the sorted dim is blocked, the others are
+    shared factors (sorting rows is independent across them)."""
+    dim = eqn.params["dimension"]
+    b = RuleBuilder()
+    dims = [(b.new(n, blocked=(i == dim)),) for i, n in enumerate(eqn.inputs[0].shape)]
+    return b.rule([dims] * len(eqn.inputs), [dims] * len(eqn.outputs))
+
+
+def _sort(*operands: np.ndarray, dimension: int, num_keys: int = 1, **_: Any) -> list[np.ndarray]:
+    """``lax.sort``: order every operand by the first ``num_keys`` operands, lexicographically.
+
+    As jax's comparator: -0.0 equals 0.0 and every NaN sorts last, equal to the other NaNs
+    (numpy's float order is the same); ties keep their order (the sort is stable whatever
+    ``is_stable`` says; jax leaves the order of ties unspecified then)."""
+    keys = [np.asarray(k) for k in operands[:num_keys]]
+    order = np.lexsort(keys[::-1], axis=dimension)   # lexsort's last key is the primary one
+    return [np.take_along_axis(np.asarray(x), order, axis=dimension) for x in operands]
+
+
+def sort_cost(e: Eqn) -> Cost:
+    x = e.inputs[0]
+    dim = e.params.get("dimension", x.ndim - 1)
+    n = x.shape[dim] if x.ndim else 1
+    return float(elems(x) * max(1, math.ceil(math.log2(max(n, 2))))), float(in_bytes(e) + out_bytes(e))
+
+
+register(Primitive("sort", kind="reduction", rule=sort_rule, impl=_sort, cost=sort_cost))

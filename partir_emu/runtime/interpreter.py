@@ -1,12 +1,11 @@
-"""The numpy interpreter: one implementation rule per primitive, and ``eval_program``.
+"""The numpy interpreter: one implementation per primitive, and ``eval_program``.
 
-``impl_rules[prim](*operands, **params)`` computes one equation with
-``jax.lax`` semantics; the families live in ``impl_elementwise``,
-``impl_shape``, ``impl_reduce`` (reductions, scans, dot_general) and
-``impl_gather``. :func:`eval_eqn` wraps a rule: it feeds literals, casts every
-result to the dtype of the equation's output ``Var`` (numpy promotes where jax
-does not) and checks the shape. :func:`eval_program` is the autodidax
-``eval_jaxpr``: an env, ``read``/``write``, one loop.
+The ``impl`` facet of a primitive's registry entry (:mod:`partir_emu.primitives`),
+``impl(*operands, **params)``, computes one equation with ``jax.lax`` semantics.
+:func:`eval_eqn` wraps it: it feeds literals, casts every result to the dtype of
+the equation's output ``Var`` (numpy promotes where jax does not) and checks the
+shape. :func:`eval_program` is the autodidax ``eval_jaxpr``: an env,
+``read``/``write``, one loop.
 
 Literals: when an equation also has array operands, a literal is passed as a
 plain Python scalar so that numpy treats it as *weak* (NEP 50) and it takes the
@@ -18,23 +17,15 @@ This module never imports jax.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
-from partir_emu.core.spmd import COLLECTIVE_PRIMS
 from partir_emu.errors import ArgumentError, EmulationError, UnsupportedPrimitiveError
-from partir_emu.runtime import impl_elementwise, impl_gather, impl_reduce, impl_shape
-
-impl_rules: dict[str, Callable[..., Any]] = {
-    **impl_elementwise.rules,
-    **impl_shape.rules,
-    **impl_reduce.rules,
-    **impl_gather.rules,
-}
+from partir_emu.primitives import get
 
 
 def literal_value(lit: Literal, weak: bool) -> Any:
@@ -49,19 +40,20 @@ def literal_value(lit: Literal, weak: bool) -> Any:
 
 def eval_eqn(eqn: Eqn, operands: Sequence[Any]) -> list[np.ndarray]:
     """Run one equation on already-read operands (Literals still as ``Literal``)."""
-    rule = impl_rules.get(eqn.prim)
-    if rule is None and eqn.prim in COLLECTIVE_PRIMS:
+    entry = get(eqn.prim)
+    impl = entry.impl if entry is not None else None
+    if impl is None and entry is not None and (entry.communicates or entry.per_device is not None):
         raise EmulationError(f"collective {eqn} cannot run on one device; run the SpmdProgram on a mesh "
                              f"(partir_emu.runtime.local_mesh.LocalMesh)")
-    if rule is None:
+    if impl is None:
         where = f" (traced at {eqn.source})" if eqn.source else ""
         raise UnsupportedPrimitiveError(
-            f"primitive {eqn.prim!r}{where} has no numpy implementation in partir_emu.runtime.interpreter.impl_rules; "
-            f"add a rule for it or rewrite the function with supported operations")
+            f"primitive {eqn.prim!r}{where} has no numpy implementation (no impl facet in its "
+            f"partir_emu.primitives entry); add one or rewrite the function with supported operations")
     weak = any(not isinstance(a, Literal) for a in eqn.inputs)
     args = [literal_value(v, weak) if isinstance(v, Literal) else v for v in operands]
     with np.errstate(all="ignore"):  # jax produces inf/nan silently
-        result = rule(*args, **eqn.params)
+        result = impl(*args, **eqn.params)
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(results) != len(eqn.outputs):
         raise EmulationError(f"{eqn.prim} at {eqn.source or '?'} produced {len(results)} values, "
@@ -117,7 +109,7 @@ def eval_program(program: Program, inputs: Sequence[np.ndarray]) -> list[np.ndar
 
 
 def output_value(x: Any) -> np.ndarray:
-    """A program result as an owned, writable array (rules may return read-only views)."""
+    """A program result as an owned, writable array (impls may return read-only views)."""
     if isinstance(x, Literal):
         return np.asarray(x.value, dtype=np_dtype(x.dtype))
     return x if (x.flags.writeable and x.flags.owndata) else np.array(x)

@@ -1,0 +1,128 @@
+"""The user-facing entry points: ``trace``, ``lower_program`` and ``jit``.
+
+``jit(fn, mesh=..., schedule=[...])`` returns a callable that traces ``fn`` on its first call
+(and again for new argument shapes, like ``jax.jit``), partitions and lowers it, and runs the
+SPMD program on the in-process mesh. ``.lower(*args)`` returns a :class:`Lowered` with the
+SpmdProgram, its collective statistics and the sharding state after every tactic.
+
+This is the app layer: it joins the compiler (which knows no hardware and runs nothing) to the
+runtime (:class:`~partir_emu.runtime.local_mesh.LocalMesh`) and to the hardware models, whose
+analytical step time prices an :class:`AutomaticPartition` that has no ``cost`` of its own.
+MPI ranks import this module (through :mod:`partir_emu.app.experiment`), so jax is loaded
+only when something is traced; ``import partir_emu`` loads this module only when
+``jit``/``trace``/``lower_program`` is first used.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from partir_emu.compiler import api as compiler_api
+from partir_emu.compiler.tactics import AutomaticPartition, CostModel, Tactic
+from partir_emu.core.ir import Program
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import SpmdProgram
+from partir_emu.errors import ArgumentError
+from partir_emu.hwmodels.analytical import simulate
+from partir_emu.hwmodels.specs import load_spec
+from partir_emu.runtime.local_mesh import LocalMesh
+
+__all__ = ["Lowered", "Jitted", "jit", "lower_program", "trace", "analytical_cost"]
+
+
+def _jax() -> Any:
+    import jax  # here, not at the top: MPI ranks import this module and must not load jax
+    return jax
+
+
+def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> Program:
+    """Trace ``fn`` on example (or abstract) arguments into a Program (imports jax)."""
+    from partir_emu.compiler.trace import trace as trace_jaxpr  # here: it imports jax (see _jax)
+    return trace_jaxpr(fn, *args, arg_names=arg_names)
+
+
+def analytical_cost(tactic: AutomaticPartition) -> Callable[[SpmdProgram], float]:
+    """The default cost model: the analytical step time on ``tactic.hardware``, stretched by the
+    fraction by which peak memory overflows HBM (so a search trades communication for memory)."""
+    spec = load_spec(tactic.hardware)
+
+    def cost(spmd: SpmdProgram) -> float:
+        rep = simulate(spmd, spec)
+        over = max(0, rep.peak_bytes_per_device - rep.hbm_bytes)
+        return rep.step_s * (1.0 + over / max(rep.hbm_bytes, 1))
+    return cost
+
+
+@dataclass
+class Lowered(compiler_api.Lowered):
+    """A lowered program that can also run on the in-process mesh; ``in_tree``/``out_tree`` are
+    the argument and result pytrees when it came from :func:`jit`."""
+
+    in_tree: Any = None
+    out_tree: Any = None
+
+    def run(self, *flat_inputs: np.ndarray, algorithm: str = "ring"):
+        return LocalMesh(self.spmd.mesh, algorithm=algorithm).run(self.spmd, list(flat_inputs))
+
+
+def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
+                  state_outputs: dict[str, str] | None = None,
+                  cost_model: CostModel | None = analytical_cost) -> Lowered:
+    """:func:`partir_emu.compiler.api.lower_program` with the analytical cost model by default."""
+    low = compiler_api.lower_program(program, mesh, schedule, state_outputs, cost_model)
+    return Lowered(low.program, low.schedule, low.final_state, low.spmd, low.cost_model)
+
+
+class Jitted:
+    def __init__(self, fn: Callable, mesh: Mesh, schedule: Sequence[Tactic], algorithm: str = "ring",
+                 state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost):
+        self.fn, self.mesh, self.schedule, self.algorithm = fn, mesh, list(schedule), algorithm
+        self.state_outputs, self.cost_model = state_outputs, cost_model
+        self._cache: dict[Any, Lowered] = {}
+        self._nargs = _positional_count(fn)
+
+    def _key(self, args: tuple) -> tuple[Any, list, Any]:
+        leaves, tree = _jax().tree_util.tree_flatten(args)
+        return (tree, tuple((np.shape(x), np.result_type(x).name) for x in leaves)), leaves, tree
+
+    def lower(self, *args: Any) -> Lowered:
+        if self._nargs is not None and len(args) != self._nargs:
+            raise ArgumentError(f"{getattr(self.fn, '__name__', 'function')} takes {self._nargs} argument(s), "
+                                f"got {len(args)}")
+        key, _, tree = self._key(args)
+        if key not in self._cache:
+            prog = trace(self.fn, *args)
+            low = lower_program(prog, self.mesh, self.schedule, self.state_outputs, self.cost_model)
+            low.in_tree = tree
+            jax = _jax()
+            low.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
+            self._cache[key] = low
+        return self._cache[key]
+
+    def __call__(self, *args: Any):
+        low = self.lower(*args)
+        _, leaves, _ = self._key(args)
+        res = low.run(*[np.asarray(x) for x in leaves], algorithm=self.algorithm)
+        return _jax().tree_util.tree_unflatten(low.out_tree, res.outputs)
+
+
+def _positional_count(fn: Callable) -> int | None:
+    """How many positional arguments ``fn`` takes (None: any number, or unknown)."""
+    try:
+        ps = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in ps):
+        return None
+    return len([p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+
+
+def jit(fn: Callable, *, mesh: Mesh, schedule: Sequence[Tactic] = (), algorithm: str = "ring",
+        state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost) -> Jitted:
+    """Partition ``fn`` over ``mesh`` with ``schedule``; calls run on the in-process mesh.
+    ``state_outputs={"1": "params"}`` lays output ``1/...`` out like input ``params/...``."""
+    return Jitted(fn, mesh, schedule, algorithm, state_outputs, cost_model)
