@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
-from partir_emu.collectives.local import reference, run_schedule
+from partir_emu.collectives.local import LocalExecutor, run_schedule
 from partir_emu.collectives.schedule import KINDS
+from partir_emu.collectives.semantics import reference
 from partir_emu.errors import CollectiveError
 
 SHAPES = [(1,), (2,), (3,), (4,), (5,), (8,), (2, 2), (2, 4), (4, 4), (2, 2, 2)]
@@ -187,3 +188,31 @@ def test_overlapping_writes_in_a_step_apply_in_transfer_order():
                      [np.array([1e8, 1, 1, 1, 1, 1], np.float32), np.array([1.0, 1, 1, 1, 1, 1], np.float32),
                       np.array([-1e8, 1, 1, 1, 1, 1], np.float32)])
     assert a[0][0] != b[0][0]
+
+
+# ------------------------------------------------------- the reference on shaped operands, the kept plans
+def test_reference_works_along_the_given_dims():
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((3, 4, 2)).astype(np.float32) for _ in range(4)]
+    ag = reference("all_gather", xs, dim=1)
+    assert all(np.array_equal(a, np.concatenate(xs, axis=1)) for a in ag)
+    rs = reference("reduce_scatter", xs, dim=1)
+    total = xs[0] + xs[1] + xs[2] + xs[3]
+    assert all(np.array_equal(r, total[:, i:i + 1]) for i, r in enumerate(rs))
+    a2a = reference("all_to_all", xs, split_dim=1, concat_dim=2)
+    assert all(np.array_equal(a2a[j], np.concatenate([x[:, j:j + 1] for x in xs], axis=2)) for j in range(4))
+    outs = ag + rs + a2a + reference("all_reduce", xs, "max")
+    assert not any(np.shares_memory(o, x) for o in outs for x in xs)   # fresh results
+    with pytest.raises(CollectiveError, match="must divide"):
+        reference("reduce_scatter", xs, dim=2)
+
+
+def test_local_executor_keeps_one_plan_per_schedule():
+    ex = LocalExecutor(max_plans=2)
+    s1, s2, s3 = (build_schedule("all_reduce", (4,), 64 * k, "ring") for k in (1, 2, 3))
+    assert ex.plan(s1) is ex.plan(s1)
+    bufs = [np.arange(16 * 2, dtype=np.float32) * i for i in range(4)]
+    assert _bits_equal(ex.run(s2, bufs), run_schedule(s2, bufs))
+    first = ex.plan(s1)
+    ex.plan(s3)                      # s2 was used least recently: dropped, s1 kept
+    assert ex.plan(s1) is first and len(ex._plans) == 2

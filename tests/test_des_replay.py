@@ -9,20 +9,21 @@ import sys
 import numpy as np
 import pytest
 
-from partir_emu.cli import main
+from partir_emu.app.cli import main
 from partir_emu.core.mesh import Mesh
+from partir_emu.core.msgtrace import read_message_trace, write_message_trace
 from partir_emu.errors import ArtifactError
-from partir_emu.hwmodels.des.replay import check_trace, expected_rows, read_message_trace, replay, write_message_trace
+from partir_emu.hwmodels.des.replay import check_trace, expected_rows, replay
 
 
 def synthetic(algorithm: str = "ring"):
     """A header and the transfers the schedules predict for three collectives on Mesh(batch=2, model=4)."""
     mesh = Mesh(batch=2, model=4)
-    head = {"format": "partir-emu-message-trace", "version": 1, "mesh": mesh.to_json(), "devices": 8,
+    head = {"format": "partir-emu-message-trace", "version": 2, "mesh": mesh.to_json(), "devices": 8,
             "ranks": 8, "devices_per_rank": 1, "algorithm": algorithm,
-            "collectives": {"3": {"prim": "all_reduce", "axes": ["model"], "bytes": 4096 * 4},
-                            "7": {"prim": "all_gather", "axes": ["batch"], "bytes": 2048 * 4},
-                            "9": {"prim": "all_reduce", "axes": ["batch", "model"], "bytes": 10 * 4}}}
+            "collectives": {"3": {"prim": "all_reduce", "axes": ["model"], "bytes": 4096 * 4, "itemsize": 4},
+                            "7": {"prim": "all_gather", "axes": ["batch"], "bytes": 2048 * 4, "itemsize": 4},
+                            "9": {"prim": "all_reduce", "axes": ["batch", "model"], "bytes": 10 * 4, "itemsize": 4}}}
     rows = np.concatenate([expected_rows(head, c, 4) for c in (3, 7, 9)])
     return head, rows
 
@@ -89,7 +90,7 @@ def test_real_mpi_trace_matches_the_schedules(tmp_path):
     """The MPI emulator's own trace (one collective per schedule step per group, in-rank copies
     included) has exactly the transfers and bytes the schedules predict, and replays."""
     trace = tmp_path / "mpi.jsonl"
-    cmd = [sys.executable, "-m", "partir_emu.cli", "run", "mlp", "--strategy", "bp+mp", "--mesh",
+    cmd = [sys.executable, "-m", "partir_emu.app.cli", "run", "mlp", "--strategy", "bp+mp", "--mesh",
            "batch=2,model=2", "--size", "tiny", "--backend", "mpi", "--devices", "4", "--devices-per-rank", "2",
            "--algorithm", "bidir_ring", "--trace-messages", str(trace)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

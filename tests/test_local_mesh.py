@@ -7,12 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
+from partir_emu.core.analysis import liveness
 from partir_emu.core.ir import Eqn, Literal, Program, Var
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError, MeshError, UnsupportedPrimitiveError
-from partir_emu.runtime.engine import release_plan, run_spmd
+from partir_emu.runtime.engine import run_spmd
 from partir_emu.runtime.layout import shard, unshard
 from partir_emu.runtime.local_mesh import LocalMesh
 
@@ -247,7 +248,7 @@ def test_peak_bytes_by_hand():
     # add: +16 = 56, t goes -> 40; reduce_sum: +4 = 44, u goes -> 28
     # convert: +8 = 36, const goes -> 28; mul by literal: +8 = 36, k goes -> 28
     spmd = _tiny_program(Mesh(a=2))
-    plan = release_plan(spmd.program)
+    plan = liveness(spmd.program)
     assert [v.id for v in plan.at_start] == [2]
     res = _run(spmd, [np.ones(4, np.float32), np.ones(4, np.float32), np.ones(2, np.float32)], "direct")
     assert res.peak_bytes_per_device == [72, 72]

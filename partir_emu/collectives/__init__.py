@@ -1,8 +1,15 @@
 """Collective algorithms written once, as schedules (plain data), and their executors.
 
-The same :class:`~partir_emu.collectives.schedule.CollectiveSchedule` is run by the
-in-process executor (``local``), by the MPI executor (``mpi``, imported on
-demand: it needs mpi4py), priced by the analytical model and replayed by the DES.
+- ``schedule`` / ``transfers``: a :class:`CollectiveSchedule` is steps of point-to-point transfers
+  (kept as flat arrays for built schedules);
+- ``patterns`` / ``algorithms``: every algorithm (ring, bidirectional ring, recursive, torus,
+  hierarchical) as a schedule, built by :func:`build_schedule`;
+- ``semantics``: the numpy meaning of each collective (the reference);
+- ``workspace`` / ``planner``: the work-buffer layout and the step plan both executors run;
+- ``local``: the in-process executor; ``mpi`` (imported on demand: it needs mpi4py), with
+  ``mpi_steps``, ``mpi_native`` and ``mpi_wait``: the MPI executor.
+
+The same schedule is run by both executors, priced by the analytical model and replayed by the DES.
 """
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule, default_algorithm
 from partir_emu.collectives.schedule import CollectiveSchedule, Message, Step, Transfer, validate_schedule

@@ -47,7 +47,8 @@ from partir_emu.collectives.patterns import (
     recursive_arrays,
     ring_arrays,
 )
-from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, TableSteps, TransferTable, check_permutation
+from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, check_permutation
+from partir_emu.collectives.transfers import TableSteps, TransferTable
 from partir_emu.errors import CollectiveError
 
 ALGORITHMS: tuple[str, ...] = ("ring", "bidir_ring", "recursive", "torus", "hierarchical")
@@ -167,7 +168,7 @@ def _layout(kind: str, algorithm: str, p: int, dpn: int | None) -> tuple[int, li
     return 1, list(range(p))
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=512)  # a pure memo: schedules are immutable and a program asks for the same ones often
 def _build(kind: str, shape: tuple[int, ...], n: int, algorithm: str, itemsize: int, dpn: int | None,
            perm: tuple[tuple[int, int], ...] | None) -> CollectiveSchedule:
     p = math.prod(shape)

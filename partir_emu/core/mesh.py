@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from partir_emu.errors import MeshError
 
@@ -21,16 +21,17 @@ class Mesh:
     """``Mesh(batch=2, model=4)`` or ``Mesh.from_items([("batch", 2), ("model", 4)])``."""
 
     axes: tuple[tuple[str, int], ...]
+    _sizes: dict[str, int] = field(init=False, repr=False)     # derived from axes in __init__
+    _names: tuple[str, ...] = field(init=False, repr=False)
 
     def __init__(self, axes: Iterable[tuple[str, int]] | None = None, **sizes: int) -> None:
         items = tuple(axes) if axes is not None else ()
         items = items + tuple(sizes.items())
         object.__setattr__(self, "axes", tuple((str(n), s) for n, s in items))
         self._validate()
-        # group sizes are asked for in the compiler's inner loops: memoize them
+        # derived once here (the mesh is immutable): the compiler asks for sizes in its inner loops
         object.__setattr__(self, "_sizes", dict(self.axes))
         object.__setattr__(self, "_names", tuple(n for n, _ in self.axes))
-        object.__setattr__(self, "_group_cache", {})
 
     @classmethod
     def from_items(cls, items: Iterable[tuple[str, int]]) -> Mesh:
@@ -83,13 +84,12 @@ class Mesh:
         raise MeshError(f"axis {name!r} is not in mesh {self}; its axes are {list(self.axis_names)}")
 
     def group_size(self, axes: Sequence[str]) -> int:
-        try:
-            return self._group_cache[axes]
-        except (KeyError, TypeError):
-            n = math.prod(self.axis_size(a) for a in axes)
-            if isinstance(axes, tuple):
-                self._group_cache[axes] = n
-            return n
+        """Devices in a group over ``axes`` (the product of their sizes)."""
+        sizes, n = self._sizes, 1
+        for a in axes:
+            s = sizes.get(a)
+            n *= s if s is not None else self.axis_size(a)  # axis_size raises the MeshError
+        return n
 
     def check_axis(self, name: str) -> str:
         self.axis_size(name)
@@ -101,12 +101,6 @@ class Mesh:
         for name, size in reversed(self.axes):
             device, out[name] = divmod(device, size)
         return {n: out[n] for n in self.axis_names}
-
-    def device_at(self, coords: dict[str, int]) -> int:
-        d = 0
-        for name, size in self.axes:
-            d = d * size + coords[name]
-        return d
 
     def group_index(self, device: int, axes: Sequence[str]) -> int:
         """Position of ``device`` inside its group over ``axes`` (major→minor in ``axes`` order)."""
@@ -131,7 +125,7 @@ class Mesh:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mesh) and other.axes == self.axes
 
-    def __reduce__(self):   # rebuild through __init__ so the memo tables exist
+    def __reduce__(self):   # rebuild through __init__ so the derived tables exist
         return (Mesh, (self.axes,))
 
     def __hash__(self) -> int:

@@ -1,20 +1,12 @@
 """Peak memory per device from buffer liveness over a (local-shape) program.
 
-The exact convention, which the in-process runtime reproduces on real arrays:
-
-- Every :class:`~partir_emu.core.ir.Var` is its own buffer of ``Var.nbytes``
-  bytes (local shape × itemsize; no aliasing: a reshape's result counts in
-  full). A Var that appears several times (``mul x x``, an output listed twice)
-  counts once. :class:`~partir_emu.core.ir.Literal` operands take no memory.
-- Program points are ``start`` (index ``-1``) and one point per equation ``i``.
-- At ``start`` the program inputs and constants are live.
-- At point ``i`` (while equation ``i`` executes) the live buffers are: every
-  buffer defined earlier and not yet freed, plus the outputs of equation ``i``.
-  Its inputs and outputs are live simultaneously.
-- A buffer is freed right *after* the point of its last use. Program outputs
-  are never freed. A buffer used nowhere (an unused input or constant, a dead
-  equation output) is freed right after the point that defines it.
-- ``peak_bytes`` = max over all points of the sum of live bytes.
+Which buffers are live when is :func:`partir_emu.core.analysis.liveness`, the
+convention the runtime releases buffers by, so the in-process runtime measures
+these numbers on real arrays. Here every :class:`~partir_emu.core.ir.Var` takes
+``nbytes_of(var)`` bytes (local shape × itemsize). Program points are ``start``
+(index ``-1``) and one point per equation ``i``, sampled while equation ``i``
+runs (its inputs and outputs live together); ``peak_bytes`` is the largest
+sample.
 
 The breakdown at the peak point splits the live bytes into ``params`` (inputs
 named ``params/...``), ``optimizer`` (``opt/...``, ``opt_state/...``),
@@ -25,9 +17,10 @@ they sum to ``peak_bytes``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from partir_emu.core.analysis import liveness
 from partir_emu.core.ir import Program, Var
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.hwmodels.costs import nbytes_of
@@ -62,52 +55,25 @@ def _category(name: str) -> str:
 def peak_memory(program: Program | SpmdProgram) -> MemoryProfile:
     """Liveness-based peak bytes per device (see the module docstring for the exact convention)."""
     prog = program.program if isinstance(program, SpmdProgram) else program
-    eqns = prog.eqns
-    end = len(eqns)
-    size: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, e in enumerate(eqns):
-        for a in e.inputs:
-            if type(a) is Var:
-                last[a.id] = i
-    for o in prog.outputs:
-        if type(o) is Var:
-            last[o.id] = end
-    initial = list(prog.inputs) + [v for v, _ in prog.consts]
-    live = 0
-    seen: set[int] = set()
-    for v in initial:
-        if v.id not in seen:
-            seen.add(v.id)
-            size[v.id] = b = nbytes_of(v)
-            live += b
-    input_bytes = live
+    lv = liveness(prog)
+    size = {v.id: nbytes_of(v) for v in lv.initial}
+    live = input_bytes = sum(size.values())
     points = [live]
-    for vid in seen:
-        if vid not in last:
-            live -= size[vid]
+    live -= sum(size[v.id] for v in lv.at_start)
     peak, peak_at = input_bytes, -1
-    for i, e in enumerate(eqns):
-        out = 0
+    for i, (e, gone) in enumerate(zip(prog.eqns, lv.after)):
         for o in e.outputs:
             size[o.id] = b = nbytes_of(o)
-            out += b
-        live += out
+            live += b
         points.append(live)
         if live > peak:
             peak, peak_at = live, i
-        freed: set[int] = set()
-        for a in e.inputs:
-            if type(a) is Var and last[a.id] == i and a.id not in freed:
-                freed.add(a.id)
-                live -= size[a.id]
-        for o in e.outputs:
-            if o.id not in last:
-                live -= size[o.id]
-    return MemoryProfile(peak, peak_at, _breakdown(prog, peak_at, last, size), tuple(points), input_bytes)
+        for v in gone:
+            live -= size[v.id]
+    return MemoryProfile(peak, peak_at, _breakdown(prog, peak_at, lv.last_use, size), tuple(points), input_bytes)
 
 
-def _breakdown(prog: Program, at: int, last: dict[int, int], size: dict[int, int]) -> dict[str, int]:
+def _breakdown(prog: Program, at: int, last: Mapping[int, int], size: dict[int, int]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     counted: set[int] = set()
 
@@ -138,8 +104,3 @@ def _breakdown(prog: Program, at: int, last: dict[int, int], size: dict[int, int
                     out["activations"] += size[o.id]
     return out
 
-
-def live_bytes_at(program: Program | SpmdProgram, points: Sequence[int]) -> list[int]:
-    """Live bytes at the given program points (``-1`` = start), per the same convention."""
-    prof = peak_memory(program)
-    return [prof.live_bytes[p + 1] for p in points]

@@ -9,7 +9,7 @@ value on group member 0 of the partial axes and zeros on the others (the
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,12 @@ def _bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # -- operand layout (the dim the collective works on goes in front, then flat) ----------------
+def collective_dims(params: Mapping[str, Any]) -> dict[str, int]:
+    """The dims a collective equation's params name (``dim``, ``split_dim``, ``concat_dim``), as
+    keywords for the layout functions below and for :func:`partir_emu.collectives.semantics.reference`."""
+    return {k: int(params[k]) for k in ("dim", "split_dim", "concat_dim") if k in params}
+
+
 def flatten_operand(kind: str, x: np.ndarray, *, dim: int = 0, split_dim: int = 0,
                     **_: Any) -> tuple[np.ndarray, tuple[int, ...]]:
     """The flat buffer a schedule works on, and the moved shape to restore from."""

@@ -9,13 +9,14 @@ Each collective runs once per device group ``mesh.groups(axes)`` (members in
 mesh-coordinate order). With a schedule algorithm (``ring``, ``bidir_ring``,
 ``recursive``, ``torus``, ``hierarchical``) the data moves exactly as
 ``partir_emu.collectives`` schedules it, on flat buffers: the collective's dim
-is moved to the front so that its blocks are contiguous. ``algorithm='direct'``
-applies the plain numpy meaning instead (concatenate / reduce in group order),
-as a reference.
+is moved to the front so that its blocks are contiguous; the mesh's
+:class:`~partir_emu.collectives.local.LocalExecutor` keeps each schedule's plan.
+``algorithm='direct'`` applies the plain numpy meaning instead
+(:func:`partir_emu.collectives.semantics.reference`: concatenate / reduce in
+group order).
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,15 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
+from partir_emu.collectives.local import LocalExecutor
+from partir_emu.collectives.semantics import reference
 from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.ir import Eqn
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import run_spmd
-from partir_emu.runtime.layout import flatten_operand, restore_result, shard, unshard
-
-_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+from partir_emu.runtime.layout import collective_dims, flatten_operand, restore_result, shard, unshard
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,12 @@ class LocalMesh:
     """Run SPMD programs on all devices of ``mesh`` inside this process."""
 
     def __init__(self, mesh: Mesh, algorithm: str = "ring", *, devices_per_node: int | None = None) -> None:
-        if algorithm != "direct":
-            from partir_emu.collectives.algorithms import ALGORITHMS
-            if algorithm not in ALGORITHMS:
-                raise CollectiveError(f"unknown collective algorithm {algorithm!r}; use 'direct' or one of {ALGORITHMS}")
+        if algorithm != "direct" and algorithm not in ALGORITHMS:
+            raise CollectiveError(f"unknown collective algorithm {algorithm!r}; use 'direct' or one of {ALGORITHMS}")
         self.mesh = mesh
         self.algorithm = algorithm
         self.devices_per_node = devices_per_node
+        self.executor = LocalExecutor()  # keeps the plan of each schedule run (the same one for every group)
 
     def run(self, spmd: SpmdProgram, global_inputs: Sequence[Any]) -> RunResult:
         t0 = time.perf_counter()
@@ -73,18 +74,30 @@ class LocalMesh:
 
     # -- collectives ----------------------------------------------------------------
     def _collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        axes = tuple(eqn.params["axes"])
+        kind, axes, dims = eqn.prim, tuple(eqn.params["axes"]), collective_dims(eqn.params)
+        op = eqn.params.get("op", "sum") if kind == "all_reduce" else "sum"
         group_shape = tuple(self.mesh.axis_size(a) for a in axes)
         out: dict[int, np.ndarray] = {}
         for group in self.mesh.groups(axes):
             bufs = [operands[d] for d in group]
             if self.algorithm == "direct" or len(group) == 1:
-                res = direct_collective(eqn.prim, bufs, **eqn.params)
+                res = reference(kind, bufs, op, None, **dims)
             else:
-                res = scheduled_collective(eqn.prim, bufs, group_shape, self.algorithm,
-                                           devices_per_node=self.devices_per_node, **eqn.params)
+                res = self._scheduled(kind, bufs, group_shape, op, dims)
             out.update(zip(group, res))
         return out
+
+    def _scheduled(self, kind: str, bufs: Sequence[np.ndarray], group_shape: tuple[int, ...], op: str,
+                   dims: dict[str, int]) -> list[np.ndarray]:
+        """Run a collective over one group through its schedule, on flat buffers."""
+        p = len(bufs)
+        x0 = bufs[0]
+        flat = [flatten_operand(kind, b, **dims) for b in bufs]
+        nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
+        sched = build_schedule(kind, group_shape, nbytes, self.algorithm, itemsize=x0.dtype.itemsize,
+                               devices_per_node=self.devices_per_node)
+        res = self.executor.run(sched, [f for f, _ in flat], op)
+        return [restore_result(kind, r, x0.shape, flat[0][1], p, x0.dtype, **dims) for r in res]
 
 
 def check_global_inputs(spmd: SpmdProgram, inputs: Sequence[Any]) -> list[np.ndarray]:
@@ -99,45 +112,3 @@ def check_global_inputs(spmd: SpmdProgram, inputs: Sequence[Any]) -> list[np.nda
             raise ArgumentError(f"input {name!r}: expected {v.dtype}{list(shape)}, got {arr.dtype.name}{list(arr.shape)}")
         out.append(arr)
     return out
-
-
-def direct_collective(kind: str, bufs: Sequence[np.ndarray], *, dim: int = 0, op: str = "sum",
-                      split_dim: int = 0, concat_dim: int = 0, **_: Any) -> list[np.ndarray]:
-    """The numpy meaning of a collective over one group (members in group order)."""
-    p = len(bufs)
-    if kind == "all_gather":
-        cat = np.concatenate(bufs, axis=dim)
-        return [cat] * p
-    if kind == "all_reduce":
-        return [functools.reduce(_reduce_op(op), bufs)] * p
-    if kind == "reduce_scatter":
-        return [np.ascontiguousarray(b) for b in np.split(functools.reduce(np.add, bufs), p, axis=dim)]
-    if kind == "all_to_all":
-        blocks = [np.split(b, p, axis=split_dim) for b in bufs]
-        return [np.concatenate([blocks[i][j] for i in range(p)], axis=concat_dim) for j in range(p)]
-    raise CollectiveError(f"unknown collective {kind!r}")
-
-
-def scheduled_collective(kind: str, bufs: Sequence[np.ndarray], group_shape: tuple[int, ...], algorithm: str, *,
-                         dim: int = 0, op: str = "sum", split_dim: int = 0, concat_dim: int = 0,
-                         devices_per_node: int | None = None, **_: Any) -> list[np.ndarray]:
-    """Run a collective over one group through its schedule, on flat buffers."""
-    from partir_emu.collectives.algorithms import build_schedule
-    from partir_emu.collectives.local import run_schedule
-
-    p = len(bufs)
-    x0 = bufs[0]
-    params = {"dim": dim, "split_dim": split_dim, "concat_dim": concat_dim}
-    flat = [flatten_operand(kind, b, **params) for b in bufs]
-    nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
-    sched = build_schedule(kind, group_shape, nbytes, algorithm, itemsize=x0.dtype.itemsize,
-                           devices_per_node=devices_per_node)
-    res = run_schedule(sched, [f for f, _ in flat], op=op if kind == "all_reduce" else "sum")
-    return [restore_result(kind, r, x0.shape, flat[0][1], p, x0.dtype, **params) for r in res]
-
-
-def _reduce_op(op: str) -> np.ufunc:
-    try:
-        return _REDUCE[op]
-    except KeyError:
-        raise CollectiveError(f"all_reduce op {op!r} is not one of {tuple(_REDUCE)}") from None

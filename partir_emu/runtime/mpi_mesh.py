@@ -13,14 +13,14 @@ that contains a local device:
 
 - schedule algorithms (``ring``, ``bidir_ring``, ``recursive``, ``torus``,
   ``hierarchical``): the operand's collective dim is moved to the front and
-  flattened (exactly as ``local_mesh.scheduled_collective`` does), the
+  flattened (exactly as :class:`~partir_emu.runtime.local_mesh.LocalMesh` does), the
   schedule of :mod:`partir_emu.collectives.algorithms` runs through
-  :func:`partir_emu.collectives.mpi.run_schedules_mpi` (all groups of one
+  :meth:`partir_emu.collectives.mpi.MpiCollectives.run_schedules` (all groups of one
   collective at once; transfers between devices of one rank are copies, the
   others MPI messages), and the result is restored. The arithmetic and its
   order are the schedule's, so the outputs equal LocalMesh's with the same
   algorithm **bit for bit**;
-- ``native``: :func:`partir_emu.collectives.mpi.run_native_mpi` (the MPI
+- ``native``: :meth:`partir_emu.collectives.mpi.MpiCollectives.run_native` (the MPI
   library's own collective on a cached sub-communicator of the group's
   ranks); equal to LocalMesh up to rounding.
 
@@ -40,14 +40,16 @@ equation index of the collective in the SPMD program, ``step`` = schedule
 step, ``src``/``dst`` = global device ids, ``bytes`` = payload); rows are
 recorded by the rank hosting ``src`` (in-rank copies included) and gathered to
 rank 0 with :meth:`MpiMesh.gather_trace`. Native collectives move data inside
-the MPI library: they record no rows. The file format is in
-:mod:`partir_emu.runtime.worker`.
+the MPI library: they record no rows. The file format is
+:mod:`partir_emu.core.msgtrace`.
 
 This module imports mpi4py (which initializes MPI) but never jax.
 """
 from __future__ import annotations
 
-import re
+import os
+import signal
+import sys
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -57,17 +59,19 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
-from partir_emu.collectives.mpi import SubcommCache, run_native_mpi, run_schedules_mpi
-from partir_emu.core.ir import Eqn
+from partir_emu.collectives.algorithms import build_schedule
+from partir_emu.collectives.mpi import MpiCollectives
+from partir_emu.collectives.semantics import reference
+from partir_emu.core.ir import Eqn, Var
 from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import EngineResult, run_spmd
-from partir_emu.runtime.layout import flatten_operand, restore_result, shard, unshard
-from partir_emu.runtime.local_mesh import direct_collective
+from partir_emu.runtime.jobs import MPI_ALGORITHMS
+from partir_emu.runtime.layout import block_slices, collective_dims, flatten_operand, restore_result, shard
+from partir_emu.runtime.progress import OpContext, describe_op
 
-MPI_ALGORITHMS: tuple[str, ...] = ALGORITHMS + ("native",)
 POLL_S = 0.0001          # first sleep between two Tests; it grows ×1.5 per poll ...
 POLL_MAX_S = 0.001       # ... up to this: a long wait costs few wake-ups, a short one little latency
 
@@ -95,63 +99,33 @@ def wait_all(reqs: Sequence[MPI.Request], timeout_s: float | None, what: Callabl
         nap = min(nap * grow, POLL_MAX_S)
 
 
-def short_source(source: str) -> str:
-    """``'... at /x/y/transformer.py:164:12 (fn)'`` → ``'transformer.py:164'``."""
-    m = re.findall(r"([^\s/]+\.py):(\d+)", source or "")
-    return f"{m[-1][0]}:{m[-1][1]}" if m else (source or "?")
+def _representatives(sharding: Sharding, mesh: Mesh) -> list[int]:
+    """Per device, the first device holding the same block (same coordinates on every axis the
+    sharding tiles or sums over): the one whose copy is gathered."""
+    used = [a for a in mesh.axis_names if a in set(sharding.axes())]
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(tuple(mesh.coords(d)[a] for a in used), d) for d in range(mesh.size)]
 
 
-def describe_op(index: int | None, eqn: Eqn | None) -> str:
-    """``'op 12 (all_reduce at mlp.py:103)'`` for error messages."""
-    if index is None or eqn is None:
-        return "op -"
-    return f"op {index} ({eqn.prim} at {short_source(eqn.source)})"
+def _digest(block: np.ndarray) -> int:
+    """A 64-bit digest of a block's bytes (CRC-32 and Adler-32): replicas must have equal ones."""
+    raw = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+    return zlib.crc32(raw) << 32 | zlib.adler32(raw)
 
 
-def device_str(devices: Sequence[int]) -> str:
-    devices = list(devices)
-    if len(devices) == 1:
-        return f"device {devices[0]}"
-    if devices == list(range(devices[0], devices[0] + len(devices))):
-        return f"devices {devices[0]}-{devices[-1]}"
-    return "devices " + ",".join(map(str, devices))
-
-
-# -- where a failure happened --------------------------------------------------------------
-@dataclass
-class OpContext:
-    """What a rank is doing, for error messages and progress reports."""
-
-    index: int | None = None
-    eqn: Eqn | None = None
-    devices: tuple[int, ...] = ()
-    seq: int = -1
-    state: str = ""     # 'waiting for the other ranks' | 'moving data' | 'computing' (after the op)
-
-    def describe(self) -> str:
-        return f"{device_str(self.devices)} {describe_op(self.index, self.eqn)}" if self.devices else \
-            describe_op(self.index, self.eqn)
-
-
-def locate_in_engine(exc: BaseException) -> tuple[int | None, Eqn | None, int | None]:
-    """``(eqn index, eqn, device)`` of the equation :func:`engine.run_spmd` was evaluating when
-    ``exc`` was raised (read from the traceback's frames), or Nones."""
-    index = eqn = device = None
-    tb = exc.__traceback__
-    while tb is not None:
-        f = tb.tb_frame
-        if f.f_code.co_filename.endswith("engine.py"):
-            loc = f.f_locals
-            if f.f_code.co_name == "run_spmd":
-                index, eqn = loc.get("i", index), loc.get("eqn", eqn)
-                if isinstance(loc.get("d"), int) and device is None:
-                    device = loc["d"]
-            elif isinstance(loc.get("d"), int):      # the per-device comprehension
-                device = loc["d"]
-        tb = tb.tb_next
-    if not isinstance(eqn, Eqn):
-        index = eqn = None
-    return index, eqn, device
+def _assemble(blocks: Mapping[int, np.ndarray], sharding: Sharding, mesh: Mesh) -> np.ndarray:
+    """The global array from one block per representative device, as :func:`unshard` assembles it
+    (partial blocks summed in group order)."""
+    b0 = next(iter(blocks.values()))
+    out = np.zeros(tuple(n * mesh.group_size(axes) for n, axes in zip(b0.shape, sharding.dims)), b0.dtype)
+    order = sorted(blocks, key=(lambda d: mesh.group_index(d, sharding.partial)) if sharding.partial else None)
+    for d in order:
+        where = block_slices(sharding, mesh, d, b0.shape)
+        if sharding.partial:
+            out[where] += blocks[d]
+        else:
+            out[where] = blocks[d]
+    return out
 
 
 # -- the mesh -------------------------------------------------------------------------------
@@ -186,10 +160,10 @@ class MpiMesh:
         self.tracing = trace
         self.progress, self.fault = progress, fault
         self.context = OpContext(devices=self.devices)
-        self.subcomms = SubcommCache(comm) if algorithm == "native" else None
+        self.collectives = MpiCollectives(comm)  # keeps plans, buffers and sub-communicators until close()
         self._groups: dict[tuple[str, ...], list[list[int]]] = {}
         self._trace_parts: list[np.ndarray] = []
-        self._eqn_index: dict[int, int] = {}
+        self._eqn_index: dict[Var, int] = {}      # a collective's output (SSA: unique) → its eqn index
         self._seq = 0
         self._tag = 0
 
@@ -205,7 +179,6 @@ class MpiMesh:
             g = [grp for grp in every if any(lo <= d <= hi for d in grp)]
             self._groups[axes] = g
             if self.algorithm == "native" and self.rank == 0 and len({self._layout(grp) for grp in every}) > 1:
-                import sys
                 print(f"partir-emu: warning: with {self.k} devices per rank the groups over {axes} are not laid out "
                       "alike on the ranks; native MPI sums them in different orders, so values replicated across "
                       "those groups may differ in the last bit (a schedule algorithm is bit-exact)", file=sys.stderr)
@@ -235,33 +208,55 @@ class MpiMesh:
         """Run ``spmd`` on this rank's devices (every rank of ``comm`` must call this)."""
         if spmd.mesh != self.mesh:
             raise MeshError(f"the SPMD program was lowered for {spmd.mesh} but this MpiMesh is {self.mesh}")
-        self._eqn_index = {id(e): i for i, e in enumerate(spmd.program.eqns)}
+        self._eqn_index = {e.outputs[0]: i for i, e in enumerate(spmd.program.eqns) if e.prim in COMM_PRIMS}
         self._seq = 0
         return run_spmd(spmd, self.devices, local_inputs, self._collective)
 
     def gather_outputs(self, spmd: SpmdProgram, result: EngineResult) -> tuple[list[np.ndarray] | None, list[int] | None]:
-        """Global outputs and per-device peak bytes on rank 0 (``(None, None)`` elsewhere)."""
-        mine = [[np.asarray(result.outputs[d][j]) for d in self.devices]
-                for j in range(len(spmd.output_names))]
-        send = np.concatenate([np.ascontiguousarray(np.stack(bl)).reshape(-1).view(np.uint8) for bl in mine]) if mine \
-            else np.zeros(0, np.uint8)
+        """Global outputs and per-device peak bytes on rank 0 (``(None, None)`` elsewhere).
+
+        Each distinct block travels once: per output, only its representative devices (the first
+        device of each set of replicas, as :func:`unshard` picks them) send their block; every device
+        sends a 64-bit digest of its block, so rank 0 still refuses replicas that differ."""
+        mesh, k, names = self.mesh, self.k, spmd.output_names
+        mine = [[np.asarray(result.outputs[d][j]) for d in self.devices] for j in range(len(names))]
+        reps = [_representatives(sh, mesh) for sh in spmd.out_shardings]
+        sizes = [bl[0].nbytes for bl in mine]
+        send = np.concatenate([np.ascontiguousarray(b).reshape(-1).view(np.uint8) for j, bl in enumerate(mine)
+                               for d, b in zip(self.devices, bl) if reps[j][d] == d] + [np.zeros(0, np.uint8)])
+        digests = np.array([[_digest(b) for b in bl] for bl in mine], np.uint64).T.copy()  # [device, output]
         peaks = np.array([result.peak_bytes[d] for d in self.devices], np.int64)
         root = self.rank == 0
-        recv = np.empty(send.nbytes * self.nranks, np.uint8) if root else None
-        precv = np.empty(self.mesh.size, np.int64) if root else None
-        reqs = [self.comm.Igather([send, MPI.BYTE], [recv, MPI.BYTE] if root else None, root=0),
+        counts = [sum(n * sum(rep[d] == d for d in range(r * k, (r + 1) * k)) for rep, n in zip(reps, sizes))
+                  for r in range(self.nranks)]
+        recv = np.empty(sum(counts), np.uint8) if root else None
+        drecv = np.empty((mesh.size, len(names)), np.uint64) if root else None
+        precv = np.empty(mesh.size, np.int64) if root else None
+        reqs = [self.comm.Igatherv([send, MPI.BYTE], [recv, (counts, np.cumsum([0] + counts[:-1]).tolist()), MPI.BYTE]
+                                   if root else None, root=0),
+                self.comm.Igather([digests, MPI.UINT64_T], [drecv, MPI.UINT64_T] if root else None, root=0),
                 self.comm.Igather([peaks, MPI.INT64_T], [precv, MPI.INT64_T] if root else None, root=0)]
         wait_all(reqs, self.timeout_s, "the output gather to rank 0", bulk=True)
         if not root:
             return None, None
-        per_rank = recv.reshape(self.nranks, send.nbytes)
-        outputs, off = [], 0
-        for j, (name, sh) in enumerate(zip(spmd.output_names, spmd.out_shardings)):
-            b0 = mine[j][0]
-            n = b0.nbytes * self.k
-            blocks = np.ascontiguousarray(per_rank[:, off:off + n]).view(b0.dtype).reshape((self.mesh.size,) + b0.shape)
-            off += n
-            outputs.append(unshard(list(blocks), sh, self.mesh, name))
+        blocks: list[dict[int, np.ndarray]] = [{} for _ in names]
+        off = 0
+        for r in range(self.nranks):  # the order the ranks packed them in
+            for j, b0 in enumerate(bl[0] for bl in mine):
+                for d in range(r * k, (r + 1) * k):
+                    if reps[j][d] == d:
+                        blocks[j][d] = recv[off:off + sizes[j]].view(b0.dtype).reshape(b0.shape)
+                        off += sizes[j]
+        outputs = []
+        for j, (name, sh) in enumerate(zip(names, spmd.out_shardings)):
+            bad = np.flatnonzero(drecv[:, j] != drecv[reps[j], j])
+            if len(bad):
+                d, r0 = int(bad[0]), reps[j][int(bad[0])]
+                raise EmulationError(
+                    f"{name}: replicated copies disagree: device {d} {mesh.coords(d)} differs from device {r0} "
+                    f"{mesh.coords(r0)} (mesh axes {[a for a in mesh.axis_names if a not in sh.axes()]} replicate "
+                    f"it under sharding {sh}); the SPMD program lost consistency")
+            outputs.append(_assemble(blocks[j], sh, mesh))
         return outputs, [int(x) for x in precv]
 
     def gather_trace(self) -> np.ndarray | None:
@@ -287,8 +282,7 @@ class MpiMesh:
         return allrows[np.lexsort((allrows[:, 3], allrows[:, 2], allrows[:, 1], allrows[:, 0]))]
 
     def close(self) -> None:
-        if self.subcomms is not None:
-            self.subcomms.free()
+        self.collectives.free()
 
     # -- collectives -----------------------------------------------------------------------
     def _collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -302,7 +296,7 @@ class MpiMesh:
             self.progress(self.context)
 
     def _run_collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        index = self._eqn_index.get(id(eqn), -1)
+        index = self._eqn_index[eqn.outputs[0]]
         fault = self.fault.trigger(self.rank, index) if self.fault is not None else None
         if fault == "hang":         # stuck before reaching the collective (test hook)
             self.fault.act(fault)
@@ -321,15 +315,15 @@ class MpiMesh:
         groups = self.local_groups(axes)
         p = len(groups[0])
         if p == 1:
-            return {g[0]: direct_collective(kind, [operands[g[0]]], **params)[0] for g in groups}
+            return {g[0]: reference(kind, [operands[g[0]]], **collective_dims(params))[0] for g in groups}
         flat = {d: flatten_operand(kind, x, **params) for d, x in operands.items()}
         op = params.get("op", "sum") if kind == "all_reduce" else "sum"
         results: dict[int, np.ndarray] = {}
         if self.algorithm == "native":
             for g in groups:
                 local = {pos: flat[d][0] for pos, d in enumerate(g) if d in flat}
-                res = run_native_mpi(kind, self.subcomms, g, self.rank_of, local, op, tag_base=self._next_tag(2),
-                                     timeout_s=self.timeout_s)
+                res = self.collectives.run_native(kind, g, self.rank_of, local, op, tag_base=self._next_tag(2),
+                                                  timeout_s=self.timeout_s)
                 for pos, r in res.items():
                     results[g[pos]] = r
         else:
@@ -341,8 +335,8 @@ class MpiMesh:
             trace: list | None = [] if self.tracing else None
             if fault == "kill":      # die once this rank is inside the collective (test hook)
                 trace = _KillAtStep(1 if len(sched.steps) > 1 else 0)
-            res_list = run_schedules_mpi(self.comm, jobs, self.rank_of, op, self._next_tag(len(sched.steps) + 2),
-                                         trace, timeout_s=self.timeout_s)
+            res_list = self.collectives.run_schedules(jobs, self.rank_of, op, self._next_tag(len(sched.steps) + 2),
+                                                      trace, timeout_s=self.timeout_s)
             if fault == "kill":      # it sent nothing at that step: die now
                 self.fault.act("kill")
             for g, res in zip(groups, res_list):
@@ -447,8 +441,6 @@ class FaultSpec:
         return self.mode
 
     def act(self, mode: str) -> None:
-        import os
-        import signal
         if mode == "raise":
             raise EmulationError(f"fault injected by {FAULT_ENV} (test hook)")
         if mode == "exit":

@@ -1,61 +1,32 @@
-"""What one MPI rank does: load or receive an SpmdProgram, make its inputs, run its devices,
+"""What one MPI rank does: load or receive an SpmdProgram, read its inputs, run its devices,
 gather to rank 0 — and fail loudly.
 
 Entry point (started by :mod:`partir_emu.runtime.mpi_launch`, one process per rank)::
 
     mpiexec -n R python -m partir_emu.runtime.worker --jobs JOBS.json
 
-``JOBS.json`` is ``{"jobs": [JOB, ...], "timeout": seconds, "progress_dir": DIR | null}`` and runs
-the jobs one after the other in this one launch (tests batch many programs per ``mpiexec``).
-A JOB is::
+The jobs file, the inputs file of each job and rank 0's result files are described in
+:mod:`partir_emu.runtime.jobs`. No rank of a worker launch imports jax (nor a model: the
+inputs arrive as an .npz). Under a user's ``mpirun … partir-emu run`` the app layer calls the
+same :func:`run_job` with a program that rank 0 lowered and broadcast and with the inputs it
+made (see :mod:`partir_emu.app.mpi_run`).
 
-    {"program": "FILE.json",           # SpmdProgram.save() output; its mesh has R*k devices
-     "scenario": "mlp", "preset": null, "overrides": "batch=1024", "seed": 0,
-     "inputs": "FILE.npz" | null,      # else every rank generates the inputs (numpy only)
-     "algorithm": "ring", "devices_per_rank": k, "devices_per_node": null,
-     "out": "DIR",                     # rank 0 writes DIR/outputs.npz and DIR/stats.json
-     "trace": "FILE.jsonl" | null}     # message trace (format below)
-
-No rank of a worker launch imports jax. Under a user's ``mpirun … partir-emu run`` the same
-:func:`run_job` runs with a program that rank 0 lowered and broadcast (see ``mpi_launch``).
-
-**Inputs** are the scenario's deterministic numpy inputs (same values as
-``Experiment.inputs()``; built here without the scenario's jax-aware Adam init), or an
-``.npz`` loaded with ``allow_pickle=False`` whose keys are the program's input names
-(or ``arr_0 …`` in input order). Each rank cuts its devices' blocks with
-:func:`layout.shard`.
-
-**outputs.npz / stats.json** (rank 0): ``out_<j>`` = global output ``j`` (unsharded);
-stats: ``peak_bytes_per_device`` (list by device), ``rss_bytes`` (each rank's max RSS),
-``ready_wall`` (each rank's ``time.time()`` when its inputs were ready), ``start_wall``
-(each rank's start), ``step_s`` (the step between two barriers, on rank 0),
-``setup_s``, ``gather_s``, ``ranks``, ``devices_per_rank``, ``jax_imported`` (per rank: was
-``jax`` in ``sys.modules`` at the end — the tests hold it False).
-
-**Message trace** (``trace``): JSON Lines. Line 1 is a header::
-
-    {"format": "partir-emu-message-trace", "version": 1, "mesh": [["batch", 4], ...],
-     "devices": N, "ranks": R, "devices_per_rank": k, "algorithm": "ring",
-     "collectives": {"<coll>": {"prim": ..., "axes": [...], "bytes": full-buffer bytes}}}
-
-then one line per transfer the run made, sorted by ``(coll, step, src, dst)``::
-
-    {"coll": 12, "step": 0, "src": 3, "dst": 4, "bytes": 256}
-
-``coll`` is the equation index of the collective in the SPMD program, ``step`` the
-schedule step (transfers of one ``(coll, step)`` run concurrently), ``src``/``dst``
-global device ids, ``bytes`` the payload. Transfers between devices of one rank
-(memory copies) are included; a hardware model tells them apart with
-``src // devices_per_rank == dst // devices_per_rank``. Native collectives
-(``--algorithm native``) move data inside MPI and leave no lines.
+Each rank cuts its devices' blocks from the global inputs (:func:`layout.shard`), runs the
+step between two barriers, and rank 0 gathers the outputs, the stats and (with
+``job["trace"]``) the message trace, written in the format of :mod:`partir_emu.core.msgtrace`.
 
 **Failure behaviour.** Every rank runs under :class:`RankGuard`: an exception prints
 ``partir-emu rank R device D op K (prim at file:line): Error: message`` to stderr, removes the
 job's ``/dev/shm/mpich_shm_*`` file and calls ``MPI_Abort`` (mpiexec then stops every rank);
 a watchdog thread does the same after ``timeout`` seconds. With ``progress_dir`` each rank
-keeps ``rank-NNNNN.json`` there up to date (pid, devices, phase, current op, shm files) and
-holds an ``flock`` on it while it lives, so the launcher learns which rank died first and in
-which op, even when it died without a word (SIGKILL, OOM).
+keeps its progress record (:mod:`partir_emu.runtime.progress`) up to date there and holds an
+``flock`` on it while it lives, so the launcher learns which rank died first and in which op,
+even when it died without a word (SIGKILL, OOM).
+A stop signal (SIGINT/SIGTERM/SIGHUP: mpiexec forwards the user's, the launcher sends
+SIGTERM) makes a rank note ``stopped_by`` in its record, remove the segment and exit
+128 + signum without a word. Under a user's mpirun :func:`guard_under_mpirun` adds a
+:mod:`partir_emu.runtime.sentinel` per host, which names a rank that died without a word (or
+the signal that stopped the job) in one line and removes what the ranks could not.
 ``PARTIR_EMU_FAULT=rank:R:op:K:MODE`` is a **test hook** that injects a failure
 (:class:`partir_emu.runtime.mpi_mesh.FaultSpec`).
 """
@@ -63,19 +34,40 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import os
 import resource
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from mpi4py import MPI
+
+from partir_emu.core.msgtrace import trace_header, write_message_trace
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.errors import ArtifactError, EmulationError, PartirError
+from partir_emu.runtime.failure_report import laggards, positions
+from partir_emu.runtime.interrupts import install, restore
+from partir_emu.runtime.jobs import load_inputs, read_jobs, write_job_result
+from partir_emu.runtime.local_mesh import check_global_inputs
+from partir_emu.runtime.mpi_mesh import FAULT_ENV, FaultSpec, MpiMesh, wait_all
+from partir_emu.runtime.progress import (
+    OpContext,
+    describe_op,
+    device_str,
+    encode_record,
+    locate_in_engine,
+    progress_path,
+    read_records,
+    short_source,
+)
 
 
 def _process_start_wall() -> float:
@@ -92,22 +84,7 @@ def _process_start_wall() -> float:
 
 START_WALL = _process_start_wall()
 
-TRACE_FORMAT = "partir-emu-message-trace"
-TRACE_VERSION = 1
-PROGRESS_BYTES = 4096
 
-
-# -- inputs (numpy only) ------------------------------------------------------------------------
-def numpy_inputs(scenario: str, preset: str | None, overrides: Any, seed: int) -> list[np.ndarray]:
-    """The scenario's global inputs, flat in jax's order, without importing jax
-    (the same values as ``Experiment.inputs()``: ``Scenario.make_inputs`` is numpy-only)."""
-    from partir_emu.experiment import flatten
-    from scenarios import get_scenario
-    sc = get_scenario(scenario)
-    return flatten(sc.make_inputs(sc.config(preset, overrides), seed))
-
-
-# -- progress, watchdog, failure reports ----------------------------------------------------------
 def mapped_shm_files() -> list[str]:
     """The ``/dev/shm/mpich_shm_*`` files this process maps (MPICH's node segment)."""
     out = []
@@ -122,31 +99,51 @@ def mapped_shm_files() -> list[str]:
     return out
 
 
-class RankGuard:
-    """Progress file, watchdog and the report-and-abort path of one rank.
+def _claim(path: Path) -> bool:
+    """True for the first process to create ``path``."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        return True
+    except OSError:
+        return False
 
-    Use ``with guard:`` around a rank's work. ``context`` is the MpiMesh's OpContext (the op
-    being run) once a mesh exists; ``phase`` says what the rank does outside the step.
+
+def _unlink(paths: Sequence[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+class RankGuard:
+    """Progress record, watchdog and the report-and-abort path of one rank.
+
+    Use ``with guard:`` around a rank's work. ``mesh`` is the current MpiMesh (its OpContext
+    names the op being run) once one exists; ``phase`` says what the rank does outside the step.
     """
 
-    def __init__(self, comm, timeout_s: float | None, progress_dir: str | None = None) -> None:
+    def __init__(self, comm: MPI.Comm, timeout_s: float | None, progress_dir: str | None = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.phase = "startup"
         self.job = 0
-        self.mesh = None          # the current MpiMesh, for its OpContext
+        self.mesh: MpiMesh | None = None
         self.devices: tuple[int, ...] = ()
         self.shm = mapped_shm_files()
-        self._fd = None
+        self._fd: int | None = None
+        self.progress_dir = progress_dir
         self._lock = threading.Lock()
         self._aborting = False
         self.error = ""
         if progress_dir:
             # held locked while the rank lives: the launcher learns the moment it dies
-            self._fd = os.open(os.path.join(progress_dir, f"rank-{self.rank:05d}.json"),
-                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(progress_path(progress_dir, self.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.stopped_by = ""
+        self.sentinel_watches = False       # under a user's mpirun: a runtime.sentinel watches the host
         self.set_phase("startup")
+        self._handlers = install(self._on_signal)
         self._timer = None
         if timeout_s:
             self._timer = threading.Timer(timeout_s, self._on_timeout, args=(timeout_s,))
@@ -160,10 +157,10 @@ class RankGuard:
             self.job = job
         self._write_progress()
 
-    def on_op(self, ctx) -> None:
+    def on_op(self, ctx: OpContext) -> None:
         self._write_progress(ctx)
 
-    def _write_progress(self, ctx=None) -> None:
+    def _write_progress(self, ctx: OpContext | None = None) -> None:
         if self._fd is None:
             return
         rec = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "job": self.job,
@@ -171,22 +168,21 @@ class RankGuard:
         if ctx is None and self.mesh is not None:
             ctx = self.mesh.context
         if ctx is not None and ctx.eqn is not None:
-            from partir_emu.runtime.mpi_mesh import short_source
             rec.update(op=ctx.index, prim=ctx.eqn.prim, source=short_source(ctx.eqn.source), state=ctx.state)
         if self.error:
             rec["error"] = self.error[:1000]
-        data = json.dumps(rec).encode()[:PROGRESS_BYTES].ljust(PROGRESS_BYTES)
+        if self.stopped_by:
+            rec["stopped_by"] = self.stopped_by
         try:
-            os.pwrite(self._fd, data, 0)
+            os.pwrite(self._fd, encode_record(rec), 0)
         except OSError:
             pass
 
     # failure -----------------------------------------------------------------------------------
     def where(self, exc: BaseException | None = None) -> str:
-        from partir_emu.runtime.mpi_mesh import describe_op, device_str, locate_in_engine
         if exc is not None:
             index, eqn, device = locate_in_engine(exc)
-            if eqn is not None and eqn.prim not in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+            if eqn is not None and eqn.prim not in COMM_PRIMS:
                 return f"{device_str([device] if device is not None else self.devices)} {describe_op(index, eqn)}"
         ctx = self.mesh.context if self.mesh is not None else None
         if ctx is not None and ctx.eqn is not None and self.phase == "step":
@@ -195,29 +191,55 @@ class RankGuard:
         return f"{devs}op - ({self.phase})"
 
     def fail(self, message: str, code: int = 1) -> None:
-        """Print ``message``, write it to the progress file, drop the shm segment, abort the job."""
+        """Print ``message``, write it to the progress record, drop the shm segment, abort the job.
+
+        Under a user's mpirun (``sentinel_watches``) every rank times out at once: the first
+        of the host to claim it prints one line for all, from every rank's record."""
         with self._lock:
             if self._aborting:
                 return
             self._aborting = True
-        try:
-            os.write(2, (message.rstrip() + "\n").encode(errors="replace"))
-        except OSError:
-            pass
         self.phase = "failed"
         self.error = next((ln for ln in reversed(message.splitlines()) if ln.startswith("partir-emu rank")),
                           message[-1000:])
-        self._write_progress()
-        for path in self.shm or mapped_shm_files():
+        say = True
+        if self.sentinel_watches and self.progress_dir and " timed out after " in self.error:
+            say = _claim(Path(self.progress_dir) / "timeout-reported")
+            if say:
+                self._write_progress()
+                recs = read_records(self.progress_dir)
+                why = laggards(recs) or [f"last positions: {positions(recs, len(recs))}"]
+                message = "; ".join([self.error, *why])
+        if say:
             try:
-                os.unlink(path)
+                os.write(2, (message.rstrip() + "\n").encode(errors="replace"))
             except OSError:
                 pass
-        time.sleep(0.2)      # let mpiexec forward our stderr before MPI_Abort tears the job down
+        self._write_progress()
+        _unlink(self.shm or mapped_shm_files())
+        # let mpiexec forward our stderr (or the rank that speaks for us its) before MPI_Abort tears the job down
+        time.sleep(0.2 if say else 0.5)
         try:
             self.comm.Abort(code)
         finally:
             os._exit(code)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        """SIGINT/SIGTERM/SIGHUP (mpiexec forwards the user's, the launcher sends SIGTERM):
+        say so in the progress record, drop the shm segment and exit 128 + signum at once,
+        without a word — whoever stops the job prints the one line about it."""
+        if not self._lock.acquire(blocking=False):      # fail() holds it: it is aborting already
+            return
+        try:
+            if self._aborting:
+                return
+            self._aborting = True
+        finally:
+            self._lock.release()
+        self.stopped_by = signal.Signals(signum).name
+        self._write_progress()
+        _unlink(self.shm or mapped_shm_files())
+        os._exit(128 + signum)
 
     def _on_timeout(self, timeout_s: float) -> None:
         self.fail(f"partir-emu rank {self.rank} {self.where()}: timed out after {timeout_s:g} s "
@@ -231,7 +253,6 @@ class RankGuard:
             return False
         if isinstance(exc, SystemExit) and not exc.code:
             return False
-        from partir_emu.errors import PartirError
         detail = "" if isinstance(exc, PartirError) else "".join(traceback.format_exception(et, exc, tb))
         self.fail(f"{detail}partir-emu rank {self.rank} {self.where(exc)}: {type(exc).__name__}: {exc}")
         return False
@@ -239,6 +260,8 @@ class RankGuard:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        restore(self._handlers)
+        self._handlers = {}
         if self._fd is not None:
             self.phase = "done"
             self._write_progress()
@@ -247,15 +270,12 @@ class RankGuard:
 
 
 # -- one job on every rank ------------------------------------------------------------------------
-def run_job(comm, spmd, job: dict, guard: RankGuard, *, inputs: Sequence[np.ndarray] | None = None,
-            timeout_s: float | None = 300.0) -> dict | None:
-    """Run ``spmd`` on this rank's devices; rank 0 gets ``{"outputs", "stats", "trace"}``.
+def run_job(comm: MPI.Intracomm, spmd: SpmdProgram, job: dict, guard: RankGuard, *,
+            inputs: Sequence[np.ndarray] | None = None, timeout_s: float | None = 300.0) -> dict | None:
+    """Run ``spmd`` on this rank's devices; rank 0 gets ``{"outputs", "stats"}``, others None.
 
-    ``inputs``: global inputs already in hand, else ``job["inputs"]`` (.npz) or the scenario's.
+    ``inputs``: the global inputs already in hand, else read from ``job["inputs"]`` (.npz).
     """
-    from mpi4py import MPI
-
-    from partir_emu.runtime.mpi_mesh import FAULT_ENV, FaultSpec, MpiMesh, wait_all
     t_setup = time.perf_counter()
     rank, nranks = comm.Get_rank(), comm.Get_size()
     k = int(job.get("devices_per_rank") or 1)
@@ -267,14 +287,10 @@ def run_job(comm, spmd, job: dict, guard: RankGuard, *, inputs: Sequence[np.ndar
     guard.mesh = mesh
     try:
         if inputs is None:
-            if job.get("inputs"):
-                from partir_emu.experiment import load_inputs_npz
-                inputs = load_inputs_npz(job["inputs"], spmd.input_names)
-            else:
-                inputs = numpy_inputs(job["scenario"], job.get("preset"), job.get("overrides"), int(job.get("seed", 0)))
-        from partir_emu.runtime.local_mesh import check_global_inputs
-        inputs = check_global_inputs(spmd, inputs)
-        local = mesh.shard_inputs(spmd, inputs)
+            if not job.get("inputs"):
+                raise ArtifactError("the job names no inputs file (\"inputs\": FILE.npz); see partir_emu.runtime.jobs")
+            inputs = load_inputs(job["inputs"], spmd.input_names)
+        local = mesh.shard_inputs(spmd, check_global_inputs(spmd, inputs))
         del inputs
         ready = time.time()
         setup_s = time.perf_counter() - t_setup
@@ -291,93 +307,135 @@ def run_job(comm, spmd, job: dict, guard: RankGuard, *, inputs: Sequence[np.ndar
         outputs, peaks = mesh.gather_outputs(spmd, res)
         del res, local
         rows = mesh.gather_trace() if job.get("trace") else None
-        times = np.array([START_WALL, ready, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
-                          float("jax" in sys.modules)], np.float64)
-        all_times = np.empty(4 * nranks, np.float64) if rank == 0 else None
-        wait_all([comm.Igather([times, MPI.DOUBLE], [all_times, MPI.DOUBLE] if rank == 0 else None, root=0)],
-                 timeout_s, "the stats gather")
+        per_rank = _gather_rank_stats(comm, ready, timeout_s)
         gather_s = time.perf_counter() - t1
     finally:
         mesh.close()
     guard.mesh = None      # kept on failure: the guard names the op
     if rank != 0:
         return None
-    all_times = all_times.reshape(nranks, 4)
     stats = {"ranks": nranks, "devices_per_rank": k, "algorithm": mesh.algorithm,
-             "peak_bytes_per_device": peaks, "rss_bytes": [int(x) for x in all_times[:, 2]],
-             "start_wall": all_times[:, 0].tolist(), "ready_wall": all_times[:, 1].tolist(),
-             "jax_imported": [bool(x) for x in all_times[:, 3]],
-             "step_s": step_s, "setup_s": setup_s, "gather_s": gather_s}
+             "peak_bytes_per_device": peaks, **per_rank, "step_s": step_s, "setup_s": setup_s, "gather_s": gather_s}
     if rows is not None:
-        write_trace(job["trace"], rows, spmd, nranks, k, mesh.algorithm)
+        head = trace_header(spmd, ranks=nranks, devices_per_rank=k, algorithm=mesh.algorithm,
+                            devices_per_node=job.get("devices_per_node"))
+        write_message_trace(job["trace"], head, rows)
     return {"outputs": outputs, "stats": stats}
 
 
-def write_trace(path: str | os.PathLike, rows: np.ndarray, spmd, ranks: int, k: int, algorithm: str) -> None:
-    """The message trace file (format in the module docstring)."""
-    from partir_emu.core.spmd import COMM_PRIMS, collective_bytes
-    colls = {str(i): {"prim": e.prim, "axes": list(e.params["axes"]), "bytes": collective_bytes(e)}
-             for i, e in enumerate(spmd.program.eqns) if e.prim in COMM_PRIMS}
-    head = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "mesh": spmd.mesh.to_json(), "devices": spmd.mesh.size,
-            "ranks": ranks, "devices_per_rank": k, "algorithm": algorithm, "collectives": colls}
-    with open(path, "w") as f:
-        f.write(json.dumps(head, separators=(",", ":")) + "\n")
-        f.writelines(f'{{"coll":{c},"step":{st},"src":{a},"dst":{b},"bytes":{n}}}\n' for c, st, a, b, n in rows.tolist())
+def _gather_rank_stats(comm: MPI.Intracomm, ready_wall: float, timeout_s: float | None) -> dict:
+    """Every rank's start and ready wall times, max RSS and whether it imported jax (on rank 0)."""
+    nranks = comm.Get_size()
+    mine = np.array([START_WALL, ready_wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
+                     float("jax" in sys.modules)], np.float64)
+    root = comm.Get_rank() == 0
+    every = np.empty(4 * nranks, np.float64) if root else None
+    wait_all([comm.Igather([mine, MPI.DOUBLE], [every, MPI.DOUBLE] if root else None, root=0)],
+             timeout_s, "the stats gather")
+    if not root:
+        return {}
+    every = every.reshape(nranks, 4)
+    return {"rss_bytes": [int(x) for x in every[:, 2]], "start_wall": every[:, 0].tolist(),
+            "ready_wall": every[:, 1].tolist(), "jax_imported": [bool(x) for x in every[:, 3]]}
 
 
-def read_trace(path: str | os.PathLike) -> tuple[dict, list[dict]]:
-    """``(header, transfers)`` of a message trace file."""
-    with open(path) as f:
-        head = json.loads(f.readline())
-        if head.get("format") != TRACE_FORMAT:
-            from partir_emu.errors import ArtifactError
-            raise ArtifactError(f"{path}: not a partir-emu message trace")
-        return head, [json.loads(line) for line in f if line.strip()]
+# -- under a user's mpirun: a watched guard, a program broadcast from rank 0 ----------------------
+def world() -> MPI.Intracomm:
+    """``MPI.COMM_WORLD`` (for callers that must not import mpi4py at module level)."""
+    return MPI.COMM_WORLD
 
 
-def write_job_result(job: dict, result: dict) -> None:
-    out = Path(job["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / "outputs.npz", **{f"out_{j}": x for j, x in enumerate(result["outputs"])})
-    (out / "stats.json").write_text(json.dumps(result["stats"]))
+_STRIP_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 
-def read_job_result(job: dict) -> dict:
-    out = Path(job["out"])
-    with np.load(out / "outputs.npz", allow_pickle=False) as z:
-        outputs = [z[f"out_{j}"] for j in range(len(z.files))]
-    return {"outputs": outputs, "stats": json.loads((out / "stats.json").read_text())}
+def guard_under_mpirun(comm: MPI.Intracomm, timeout_s: float | None) -> RankGuard:
+    """This rank's :class:`RankGuard`, its progress record in a directory per host that the
+    host's first rank made, watched by a :mod:`partir_emu.runtime.sentinel` it starts (no
+    launcher of ours watches a user's mpiexec: the sentinel names a rank that died without a
+    word, and removes the ``/dev/shm`` segment and the directory)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        first = node.Get_rank() == 0
+        buf = np.zeros(4096, np.uint8)
+        if first:
+            path = tempfile.mkdtemp(prefix="partir-emu-ranks-").encode()
+            buf[:len(path)] = np.frombuffer(path, np.uint8)
+        wait_all([node.Ibcast([buf, MPI.BYTE], root=0)], timeout_s, "the progress directory from the host's first rank")
+        progress_dir = buf.tobytes().rstrip(b"\0").decode()
+        guard = RankGuard(comm, timeout_s, progress_dir)
+        wait_all([node.Ibarrier()], timeout_s, "the host's ranks (progress records)")
+        if first:
+            _start_sentinel(progress_dir, node.Get_size(), timeout_s, speak=comm.Get_rank() == 0)
+        guard.sentinel_watches = True
+    finally:
+        node.Free()
+    return guard
+
+
+def _start_sentinel(progress_dir: str, ranks: int, timeout_s: float | None, speak: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP_ENV)}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "partir_emu.runtime.sentinel", "--dir", progress_dir, "--ranks", str(ranks)]
+    if timeout_s:
+        cmd += ["--deadline", str(timeout_s + 60.0)]     # the ranks' watchdogs end them by timeout_s
+    if speak:
+        cmd.append("--speak")
+    try:    # own session: mpiexec's clean-up kills the ranks' sessions, the sentinel must outlive them
+        subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    except OSError as exc:
+        print(f"partir-emu: warning: cannot start the rank watcher ({exc}); a rank that dies "
+              f"without a word will not be named", file=sys.stderr)
+
+
+def broadcast_program(comm: MPI.Intracomm, guard: RankGuard, lower: Callable[[], SpmdProgram],
+                      timeout_s: float | None) -> SpmdProgram:
+    """Rank 0 calls ``lower()`` (only rank 0 imports jax) and broadcasts the program as JSON
+    bytes (``Ibcast`` of its length, then of a uint8 buffer); every rank gets the program.
+    If rank 0 cannot lower, it raises the error and the other ranks an EmulationError."""
+    rank = comm.Get_rank()
+    data, err = b"", None
+    if rank == 0:
+        try:
+            data = lower().dumps().encode()
+        except Exception as exc:        # tell the others, then raise it here
+            err = exc
+    length = np.array([len(data)], np.int64)
+    wait_all([comm.Ibcast([length, MPI.INT64_T], root=0)], timeout_s, "the program broadcast from rank 0")
+    if err is not None:
+        guard.close()
+        raise err
+    if length[0] == 0:
+        guard.close()
+        raise EmulationError(f"rank {rank}: rank 0 could not lower the program (see its message)")
+    buf = np.frombuffer(data, np.uint8).copy() if rank == 0 else np.empty(int(length[0]), np.uint8)
+    wait_all([comm.Ibcast([buf, MPI.BYTE], root=0)], timeout_s, "the program broadcast from rank 0", bulk=True)
+    with guard:
+        return SpmdProgram.loads(buf.tobytes(), "<broadcast program>")
 
 
 # -- entry point --------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m partir_emu.runtime.worker",
                                  description="one MPI rank of a partir-emu run (started by mpi_launch)")
-    ap.add_argument("--jobs", required=True, help="JOBS.json (see the module docstring)")
+    ap.add_argument("--jobs", required=True, help="JOBS.json (see partir_emu.runtime.jobs)")
     args = ap.parse_args(argv)
-    spec = json.loads(Path(args.jobs).read_text())
+    spec = read_jobs(args.jobs)
     timeout = spec.get("timeout")
-    from mpi4py import MPI
     comm = MPI.COMM_WORLD
     guard = RankGuard(comm, timeout, spec.get("progress_dir"))
     with guard:
-        from partir_emu.core.spmd import SpmdProgram
         for j, job in enumerate(spec["jobs"]):
             guard.set_phase("load program", job=j)
             spmd = SpmdProgram.load(job["program"])
             res = run_job(comm, spmd, job, guard, timeout_s=timeout)
             if res is not None:
                 guard.set_phase("write outputs")
-                write_job_result(job, res)
+                write_job_result(job, res["outputs"], res["stats"])
         guard.set_phase("finalize")
-        wait_all_done(comm, timeout)
+        wait_all([comm.Ibarrier()], timeout, "the final barrier")
     guard.close()
     return 0
-
-
-def wait_all_done(comm, timeout_s: float | None) -> None:
-    from partir_emu.runtime.mpi_mesh import wait_all
-    wait_all([comm.Ibarrier()], timeout_s, "the final barrier")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ import numpy as np
 from mpi4py import MPI
 
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
-from partir_emu.collectives.local import reference, run_schedule
-from partir_emu.collectives.mpi import SubcommCache, run_native_mpi, run_schedule_mpi, run_schedules_mpi
+from partir_emu.collectives.local import run_schedule
+from partir_emu.collectives.mpi import MpiCollectives
 from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, Step, Transfer
+from partir_emu.collectives.semantics import reference
 from partir_emu.errors import CollectiveError
 
 TIMEOUT_S = 30.0
@@ -66,7 +67,7 @@ def main() -> int:
     cases = 0
     trace: list = []
     expected_transfers = 0
-    subcomms = SubcommCache(comm)
+    ex = MpiCollectives(comm)
     tag = 0
     for fam_i, (fam, groups, shape) in enumerate(families(n_dev, seed=7)):
         p = len(groups[0])
@@ -91,10 +92,10 @@ def main() -> int:
                     label = f"{fam} {kind}[{alg}->{sched.algorithm}] shape={shape} n={n} {dtype} {op}"
                     try:
                         if cases % 2:
-                            outs = run_schedules_mpi(comm, jobs[::-1], rank_of, op, tag, trace, timeout_s=TIMEOUT_S)
+                            outs = ex.run_schedules(jobs[::-1], rank_of, op, tag, trace, timeout_s=TIMEOUT_S)
                             outs = outs[::-1]
                         else:
-                            outs = [run_schedule_mpi(s, comm, g, rank_of, loc, op, tag, trace, timeout_s=TIMEOUT_S)
+                            outs = [ex.run_schedule(s, g, rank_of, loc, op, tag, trace, timeout_s=TIMEOUT_S)
                                     for s, g, loc in jobs]
                         for (_, g, loc), out in zip(jobs, outs):
                             want = run_schedule(sched, data[tuple(g)], op)
@@ -103,8 +104,8 @@ def main() -> int:
                                     failures.append(f"rank {me} {label} group {g} pos {pos}: schedule != local")
                         if args.native:
                             for _, g, loc in jobs:
-                                got = run_native_mpi(kind, subcomms, g, rank_of, loc, op, permutation=perm,
-                                                     tag_base=tag, timeout_s=TIMEOUT_S)
+                                got = ex.run_native(kind, g, rank_of, loc, op, permutation=perm, tag_base=tag,
+                                                    timeout_s=TIMEOUT_S)
                                 ref = reference(kind, data[tuple(g)], op, perm)
                                 for pos in loc:
                                     if not np.allclose(got[pos], ref[pos], rtol=1e-5, atol=1e-5):
@@ -118,7 +119,7 @@ def main() -> int:
         try:
             mine = [(sc, g, {pos: b[pos] for pos in range(len(g)) if rank_of(g[pos]) == me}) for sc, g, b in jobs_all]
             mine = [j for j in mine if j[2]]
-            outs = run_schedules_mpi(comm, mine, rank_of, "sum", tag, trace, timeout_s=TIMEOUT_S)
+            outs = ex.run_schedules(mine, rank_of, "sum", tag, trace, timeout_s=TIMEOUT_S)
             expected_transfers += sum(len(sc.table()) for sc, _, _ in jobs_all)
             for (sc, g, loc), out in zip(mine, outs):
                 want = run_schedule(sc, [b for s2, g2, b in jobs_all if g2 is g][0])
@@ -129,8 +130,8 @@ def main() -> int:
             failures.append(f"rank {me} {label}: {type(e).__name__}: {e}")
             traceback.print_exc(file=sys.stderr)
         tag += 1000
-    mismatch = check_mismatch(comm, rank_of, n_dev, subcomms) if nranks >= 2 else []
-    subcomms.free()
+    mismatch = check_mismatch(ex, rank_of, n_dev) if nranks >= 2 else []
+    ex.free()
     total_traced = comm.allreduce(len(trace))
     all_failures = comm.gather(failures, root=0)
     all_mismatch = comm.gather(mismatch, root=0)
@@ -179,9 +180,9 @@ def extra_cases(n_dev: int) -> list[tuple[str, list]]:
     return out
 
 
-def check_mismatch(comm: MPI.Comm, rank_of, n_dev: int, subcomms: SubcommCache) -> list[bool]:
+def check_mismatch(ex: MpiCollectives, rank_of, n_dev: int) -> list[bool]:
     """Ranks 0 and 1 disagree on a collective: both must raise CollectiveError, then still work."""
-    me = comm.Get_rank()
+    me = ex.comm.Get_rank()
     if me > 1:
         return []
     d0 = next(d for d in range(n_dev) if rank_of(d) == 0)
@@ -199,12 +200,12 @@ def check_mismatch(comm: MPI.Comm, rank_of, n_dev: int, subcomms: SubcommCache) 
         sched = build_schedule(kind, (2,), nbytes, "ring")
         buf = np.ones(sched.input_nbytes // 4, dtype)
         try:
-            run_schedule_mpi(sched, comm, group, rank_of, {pos: buf}, tag_base=10_000 * (i + 1), timeout_s=10)
+            ex.run_schedule(sched, group, rank_of, {pos: buf}, tag_base=10_000 * (i + 1), timeout_s=10)
             results.append(False)
         except CollectiveError as e:
             results.append("disagree" in str(e))
     try:  # native: sizes differ
-        run_native_mpi("all_reduce", subcomms, group, rank_of, {pos: np.ones(4 + 4 * pos, np.float32)}, timeout_s=10)
+        ex.run_native("all_reduce", group, rank_of, {pos: np.ones(4 + 4 * pos, np.float32)}, timeout_s=10)
         results.append(False)
     except CollectiveError as e:
         results.append("disagree" in str(e))
@@ -213,13 +214,13 @@ def check_mismatch(comm: MPI.Comm, rank_of, n_dev: int, subcomms: SubcommCache) 
         # timeout the runtime aborts anyway)
         sched = build_schedule("collective_permute", (2,), 64, permutation=((1, 0),))
         try:
-            run_schedule_mpi(sched, comm, group, rank_of, {0: np.ones(16, np.float32)}, tag_base=80_000, timeout_s=1)
+            ex.run_schedule(sched, group, rank_of, {0: np.ones(16, np.float32)}, tag_base=80_000, timeout_s=1)
             results.append(False)
         except CollectiveError as e:
             results.append("timed out" in str(e))
     sched = build_schedule("all_reduce", (2,), 64, "ring")  # and the pair still works afterwards
-    out = run_schedule_mpi(sched, comm, group, rank_of, {pos: np.full(16, pos + 1, np.float32)},
-                           tag_base=90_000, timeout_s=10)
+    out = ex.run_schedule(sched, group, rank_of, {pos: np.full(16, pos + 1, np.float32)}, tag_base=90_000,
+                          timeout_s=10)
     results.append(bool(np.array_equal(out[pos], np.full(16, 3, np.float32))))
     return results
 

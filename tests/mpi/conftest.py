@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(config, items):
 @functools.cache
 def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = None):
     """(Experiment, SpmdProgram) — lowered once per session."""
+    from partir_emu.app.experiment import Experiment
     from partir_emu.core.mesh import Mesh
-    from partir_emu.experiment import Experiment
     exp = Experiment(scenario, strategy, Mesh.parse(mesh), None, overrides)
     return exp, exp.lower().spmd
 
@@ -36,8 +36,8 @@ def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = Non
 @functools.cache
 def reference(scenario: str, overrides: str | None = None) -> tuple[np.ndarray, ...]:
     """jax.jit of the scenario's step on its seed-0 inputs (independent of mesh and strategy)."""
+    from partir_emu.app.experiment import Experiment
     from partir_emu.core.mesh import Mesh
-    from partir_emu.experiment import Experiment
     return tuple(Experiment(scenario, "bp", Mesh(batch=1), None, overrides).reference())
 
 

@@ -33,8 +33,8 @@ def _program():
 def _run(tmp_path: Path, fault: str | None, *, k: int = 1, timeout_s: float = 60, rank_timeout_s=None,
          env: dict | None = None):
     """Launch the mlp/bp program on 4 devices; returns (error or None, seconds, work dir)."""
+    from partir_emu.app.mpi_run import ScenarioMpiRun as MpiRun
     from partir_emu.errors import EmulationError
-    from partir_emu.runtime.mpi_launch import MpiRun
     _, spmd, _ = _program()
     work = tmp_path / "run"
     work.mkdir()

@@ -1,0 +1,110 @@
+"""The message of a failed MPI launch: which rank failed first, on which device, in which op.
+
+Built from three sources, because none is complete on its own: mpiexec's output (the ranks'
+``partir-emu rank R device D op K …`` lines and hydra's exit codes), the ranks' progress
+records (:mod:`partir_emu.runtime.progress`; MPI_Abort can stop mpiexec before it forwarded a
+rank's last words) and the exit times :class:`~partir_emu.runtime.supervise.DeathWatch` saw
+(a rank killed or out of memory says nothing). On a timeout it also names the ranks still
+computing before a collective that the others already wait in.
+"""
+from __future__ import annotations
+
+import math
+
+from partir_emu.runtime.progress import device_str
+from partir_emu.runtime.supervise import exit_statuses
+
+RANK_PREFIX = "partir-emu rank"
+WARNING_PREFIX = "partir-emu: warning"
+
+
+def failure_message(text: str, rc: int | None, timed_out: bool, progress: list[dict],
+                    silent: list[tuple[float, dict]], ranks: int, timeout_s: float) -> str:
+    """``text``: mpiexec's output; ``silent``: ranks that exited without a word, by exit time."""
+    if timed_out:
+        lines = [f"the MPI run ({ranks} ranks) timed out after {timeout_s:g} s (--timeout) and was stopped"]
+    else:
+        lines = [f"the MPI run ({ranks} ranks) failed: mpiexec exit code {rc}"]
+    said = [ln for ln in text.splitlines() if ln.startswith(RANK_PREFIX)]
+    said += [ln for p in progress if p.get("phase") == "failed"
+             for ln in str(p.get("error", "")).splitlines() if ln.startswith(RANK_PREFIX)]
+    msgs = list(dict.fromkeys(said))
+    first_failure = min((r.get("t", math.inf) for r in progress if r.get("phase") == "failed"), default=math.inf)
+    silent = [(t, r) for t, r in silent if t < first_failure]   # died before anyone reported
+    if silent and not timed_out:
+        lines += silent_death_lines(silent, exit_statuses(text))
+    lines += msgs[:8] + ([f"... and {len(msgs) - 8} more rank messages"] if len(msgs) > 8 else [])
+    lines += list(dict.fromkeys(ln for ln in text.splitlines() if ln.startswith(WARNING_PREFIX)))[:4]
+    if not msgs or timed_out or any("timed out" in m for m in msgs):
+        lines += laggards(progress)
+        lines.append("last positions: " + positions(progress, ranks))
+    if not msgs and not silent:
+        tail = "\n".join(ln for ln in text.splitlines() if ln.strip())[-1500:]
+        if tail:
+            lines.append("mpiexec output (tail):\n" + tail)
+    return "\n".join(lines)
+
+
+def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] | None = None) -> list[str]:
+    """The first rank to exit without a word is the one that died; mpiexec stopped the others.
+    ``status``: exit statuses by rank (None: unknown, e.g. to a watcher that is not the parent)."""
+    t_first, _ = silent[0]
+    same = [r for t, r in silent if t - t_first < 0.002]
+    which = "it was the first rank to exit" if len(same) == 1 else "one of the first ranks to exit"
+
+    def how(rank: int) -> str:
+        return "" if status is None else f" ({status.get(rank, 'no exit status')})"
+    return [f"{RANK_PREFIX} {r['rank']} {where(r)}: died without a message{how(int(r['rank']))}; "
+            f"{which}, mpiexec stopped the others" for r in same]
+
+
+def _op(p: dict) -> str:
+    if "op" in p and p.get("phase") in ("step", "failed"):
+        return f"op {p['op']} ({p.get('prim')} at {p.get('source')}; {p.get('state')})"
+    return f"op - ({p.get('phase')})"
+
+
+def where(p: dict) -> str:
+    """``'device 3 op 12 (all_reduce at mlp.py:103; moving data)'`` from a progress record."""
+    devs = device_str(p["devices"]) + " " if p.get("devices") else ""
+    return devs + _op(p)
+
+
+def positions(progress: list[dict], ranks: int) -> str:
+    """Where every rank was last, ranks with the same position grouped."""
+    if not progress:
+        return f"no rank reported progress (of {ranks}); MPI start-up failed or was too slow"
+    groups: dict[str, list[int]] = {}
+    for p in progress:
+        groups.setdefault(_op(p), []).append(p["rank"])
+    missing = ranks - len(progress)
+    parts = [f"rank{'s' if len(r) > 1 else ''} {ranges(r)}: {k}" for k, r in sorted(groups.items(), key=lambda kv: kv[1])]
+    if missing > 0:
+        parts.append(f"{missing} rank(s) never started")
+    return "; ".join(parts)
+
+
+def laggards(progress: list[dict]) -> list[str]:
+    """On a timeout: the ranks still computing before a collective the others already wait in."""
+    stepping = [p for p in progress if "op" in p and p.get("phase") in ("step", "failed")]
+    waiting = [p for p in stepping if p.get("state") == "waiting for the other ranks"]
+    if not waiting:
+        return []
+    front = max(p["op"] for p in waiting)
+    behind = [p for p in stepping if p["op"] < front or (p["op"] == front and p.get("state") == "computing")]
+    ahead = sorted(p["rank"] for p in waiting if p["op"] == front)
+    return [f"{RANK_PREFIX} {p['rank']} {where(p)}: behind the others (rank{'s' if len(ahead) > 1 else ''} "
+            f"{ranges(ahead)} wait in op {front}); it is stuck after this op" for p in behind[:8]]
+
+
+def ranges(xs: list[int]) -> str:
+    """``[0, 2, 3, 4]`` → ``'0,2-4'``."""
+    xs = sorted(xs)
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
