@@ -50,8 +50,8 @@ def simpy_raw_rate(n: int = 500_000, reps: int = 3) -> float:
 
 
 def lower(chips: int, layers: int, model: int = 16):
+    from partir_emu.app.experiment import Experiment
     from partir_emu.core.mesh import Mesh
-    from partir_emu.experiment import Experiment
     exp = Experiment("transformer", "bp+mp", Mesh(batch=chips // model, model=model), "t32", f"layers={layers}")
     return exp.lower().spmd
 
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
         print(f"\n4096-chip step: {big[0]:.1f} s of DES wall time (goal <= 60 s): {'met' if big[0] <= 60 else 'NOT met'}")
 
     if not args.no_chunks:
+        from partir_emu.app.experiment import Experiment
         from partir_emu.core.mesh import Mesh
-        from partir_emu.experiment import Experiment
         print("\nnetwork model: flow (max-min) vs store-and-forward chunks, on a step with multi-hop routes and "
               "contention:\nmlp full (2 layers), bp+mp, Mesh(batch=8, model=8) on a 4x4x4 tpu-v4 slice "
               "(batch strided over y: its groups share links)")

@@ -7,10 +7,10 @@ lowered once per mesh (abstract tracing; the lowering is not part of an evaluati
 What "one evaluation" is, from cheapest to dearest (every row is a full ``simulate`` call returning a
 SimReport with its breakdowns, per-collective rows and peak memory):
 
-- ``warm``:        ``simulate(spmd, spec, placement)``; the per-program analysis (FLOPs, bytes, liveness)
-                   and the collective prices on this placement are cached from an earlier call: what a
-                   search re-pricing a program pays. The goal (>= 200/s) is about this row.
-- ``warm, names``: ``simulate(spmd, "tpu-v4")``: also resolves the spec name and the default placement
+- ``warm``:        ``analyzer.simulate(spmd, spec, placement)``; the per-program analysis (FLOPs, bytes,
+                   liveness) and the collective prices on this placement are kept by the ``Analyzer`` from an
+                   earlier call: what a search re-pricing a program pays. The goal (>= 200/s) is about this row.
+- ``warm, names``: ``analyzer.simulate(spmd, "tpu-v4")``: also resolves the spec name and the default placement
                    (cached lookups, a file stat).
 - ``overlap``:     ``warm`` with ``overlap=True`` (a list schedule over every equation, in Python).
 - ``new prices``:  the collective price cache is emptied first: every distinct collective
@@ -34,8 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from partir_emu.collectives import algorithms  # noqa: E402
 from partir_emu.core.mesh import Mesh  # noqa: E402
-from partir_emu.hwmodels import analytical, comm, load_spec, place, simulate  # noqa: E402
+from partir_emu.hwmodels import load_spec, place  # noqa: E402
+from partir_emu.hwmodels.analytical import Analyzer  # noqa: E402
 
 SPEC = "tpu-v4"
 PRESET = "t48"
@@ -56,14 +58,15 @@ def median_s(fn, repeats: int, setup=None) -> float:
     return statistics.median(ts)
 
 
+ANALYZER = Analyzer()          # what the warm rows reuse; the cold rows empty it first
+
+
 def clear_prices() -> None:
-    comm._CACHE.clear()
+    ANALYZER.prices.clear()
 
 
 def clear_all() -> None:
-    comm._CACHE.clear()
-    analytical._ANALYSES.clear()
-    from partir_emu.collectives import algorithms
+    ANALYZER.clear()
     algorithms._build.cache_clear()
 
 
@@ -73,7 +76,7 @@ _LOWERED: dict = {}
 def lowered(mesh: str, layers: int):
     key = (mesh, layers)
     if key not in _LOWERED:
-        from partir_emu.experiment import Experiment
+        from partir_emu.app.experiment import Experiment
         t0 = time.perf_counter()
         overrides = None if layers == 48 else f"layers={layers}"
         spmd = Experiment("transformer", STRATEGY, Mesh.parse(mesh), PRESET, overrides).lower().spmd
@@ -91,17 +94,17 @@ def measure(mesh: str, layers: int, repeats: int, cold_repeats: int, full: bool)
         for _ in eqns:
             pass
 
-    out = {"eqns": len(eqns), "collectives": len(analytical.analyze(spmd.program).comm), "lower_s": lower_s,
+    out = {"eqns": len(eqns), "collectives": len(ANALYZER.analysis(spmd.program).comm), "lower_s": lower_s,
            "chips": spmd.mesh.size}
-    out["cold"] = median_s(lambda: simulate(spmd, spec, placement), cold_repeats, clear_all)
-    out["warm"] = median_s(lambda: simulate(spmd, spec, placement), repeats)
+    out["cold"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement), cold_repeats, clear_all)
+    out["warm"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement), repeats)
     out["floor"] = median_s(floor, repeats)
     if full:
-        out["warm, names"] = median_s(lambda: simulate(spmd, SPEC), repeats)
-        out["overlap"] = median_s(lambda: simulate(spmd, spec, placement, overlap=True), max(3, repeats // 3))
-        out["new prices"] = median_s(lambda: simulate(spmd, spec, placement), cold_repeats, clear_prices)
-        out["distinct"] = len(analytical.analyze(spmd.program).comm_keys)
-        out["step_s"] = simulate(spmd, spec, placement).step_s
+        out["warm, names"] = median_s(lambda: ANALYZER.simulate(spmd, SPEC), repeats)
+        out["overlap"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement, overlap=True), max(3, repeats // 3))
+        out["new prices"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement), cold_repeats, clear_prices)
+        out["distinct"] = len(ANALYZER.analysis(spmd.program).comm_keys)
+        out["step_s"] = ANALYZER.simulate(spmd, spec, placement).step_s
     return out
 
 

@@ -95,7 +95,9 @@ def gelu(x):
     return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
 
 
-def make_step(cfg: Config, *, lr: float = 1e-2):
+def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
+    """The training step ``(params, opt, batch) -> (loss, new_params, new_opt)``; with
+    ``grads_only`` the same step stopped before the optimizer: ``-> (loss, grads)``."""
     import jax
     import jax.numpy as jnp
 
@@ -114,6 +116,8 @@ def make_step(cfg: Config, *, lr: float = 1e-2):
 
     def step(params, opt, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if grads_only:
+            return loss, grads
         new_params, new_opt = adam_update(grads, opt, params, lr=lr)
         return loss, new_params, new_opt
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from partir_emu.cli import main
+from partir_emu.app.cli import main
 from tests.test_des_model import _check_chrome_trace
 
 

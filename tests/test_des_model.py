@@ -18,7 +18,7 @@ from tests.test_des_collectives import ring_topo, torus_topo
 
 @functools.cache
 def lowered(scenario: str, strategy: str, mesh: str, preset: str = "tiny", overrides: str | None = None):
-    from partir_emu.experiment import Experiment
+    from partir_emu.app.experiment import Experiment
     return Experiment(scenario, strategy, Mesh.parse(mesh), preset, overrides).lower().spmd
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from partir_emu.cli import main
-from partir_emu.hwmodels.des.validate import MAX_MAX, MEDIAN_MAX, SUITES, Case, run_suite
+from partir_emu.app.cli import main
+from partir_emu.app.validate_cases import MAX_MAX, MEDIAN_MAX, SUITES, Case, run_suite
 
 
 @pytest.mark.slow

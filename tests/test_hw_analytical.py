@@ -102,9 +102,9 @@ def test_elementwise_roofline():
 
 
 def test_every_traced_primitive_and_collective_has_a_cost_rule():
-    from partir_emu.compiler.trace import SUPPORTED
     from partir_emu.core.spmd import COLLECTIVE_PRIMS
-    assert set(SUPPORTED) | set(COLLECTIVE_PRIMS) <= set(cost_rules)
+    from partir_emu.primitives import names
+    assert set(names(traceable=True)) | set(COLLECTIVE_PRIMS) <= set(cost_rules)
 
 
 def test_unsupported_primitive_is_named():

@@ -24,7 +24,7 @@ F32 = 4
 
 @functools.cache
 def _lowered(scenario: str, strategy: str, mesh: str, preset: str, overrides: str | None = None):
-    from partir_emu.experiment import Experiment
+    from partir_emu.app.experiment import Experiment
     exp = Experiment(scenario, strategy, Mesh.parse(mesh), preset, overrides)
     return exp, exp.lower()
 

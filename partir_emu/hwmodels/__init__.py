@@ -3,20 +3,20 @@
 Imports neither jax nor mpi4py. The DES (``hwmodels/des``) reuses ``Topology.route``
 and ``Placement.chip_of``.
 """
-from partir_emu.hwmodels.analytical import CollectiveRow, SimReport, simulate
-from partir_emu.hwmodels.comm import CommModel, choose_algorithm, price_schedule
+from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer, CollectiveRow, SimReport, simulate
+from partir_emu.hwmodels.comm import CommModel, PriceCache, choose_algorithm, price_schedule
 from partir_emu.hwmodels.costs import cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
 from partir_emu.hwmodels.placement import GroupLayout, Placement, place
-from partir_emu.hwmodels.specs import HardwareSpec, list_specs, load_spec
+from partir_emu.hwmodels.specs import HardwareSpec, SpecLoader, list_specs, load_spec
 from partir_emu.hwmodels.topology import Link, Topology, topology_for
 
 __all__ = [
-    "simulate", "SimReport", "CollectiveRow",
-    "load_spec", "list_specs", "HardwareSpec",
+    "simulate", "SimReport", "CollectiveRow", "Analyzer", "DEFAULT_ANALYZER",
+    "load_spec", "list_specs", "HardwareSpec", "SpecLoader",
     "Topology", "Link", "topology_for",
     "Placement", "GroupLayout", "place",
-    "choose_algorithm", "price_schedule", "CommModel",
+    "choose_algorithm", "price_schedule", "CommModel", "PriceCache",
     "peak_memory", "MemoryProfile",
     "cost_rules", "eqn_cost", "op_kind",
 ]

@@ -14,26 +14,29 @@ equations, like every other pass):
 - peak memory per device from buffer liveness (``memory.peak_memory``).
 
 The per-program analysis (FLOPs, bytes, liveness, dependencies) does not depend
-on the hardware and is cached per program object, so re-pricing one program on
-many specs or placements is cheap.
+on the hardware, and a collective's price depends only on the placement: an
+:class:`Analyzer` keeps both (and the spec files and placements it resolved)
+between evaluations, so re-pricing one program on many specs or placements is
+cheap. ``simulate(...)`` without ``analyzer=`` uses :data:`DEFAULT_ANALYZER`.
 """
 from __future__ import annotations
 
 import json
-import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from partir_emu.core.ir import Program, Var
+from partir_emu.core.analysis import dependencies
+from partir_emu.core.ir import Program
+from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram, collective_bytes
-from partir_emu.hwmodels.comm import CommModel
+from partir_emu.hwmodels.comm import CollectiveCost, CommModel, PriceCache
 from partir_emu.hwmodels.costs import KINDS, cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
 from partir_emu.hwmodels.placement import Placement, place
-from partir_emu.hwmodels.specs import MATMUL_16BIT_DTYPES, HardwareSpec, load_spec
+from partir_emu.hwmodels.specs import MATMUL_16BIT_DTYPES, HardwareSpec, SpecLoader
 
 _RATE_MM16, _RATE_MM32, _RATE_VEC = 0, 1, 2
 
@@ -136,7 +139,7 @@ def _pct(x: float, total: float) -> str:
     return f"{100 * x / total:.1f}%" if total > 0 else "-"
 
 
-# -- per-program analysis (hardware independent, cached) --------------------------------------------------
+# -- per-program analysis (hardware independent) ----------------------------------------------------------
 @dataclass(frozen=True)
 class ProgramCosts:
     flops: np.ndarray            # per equation
@@ -151,31 +154,14 @@ class ProgramCosts:
     comm_keys: tuple[tuple[str, tuple[str, ...], int, str], ...]   # distinct (prim, axes, nbytes, dtype), first seen first
     comm_inverse: np.ndarray     # for each entry of ``comm``: its index in ``comm_keys``
     is_comm: np.ndarray          # per equation: a communicating collective?
-    _deps: list = field(default_factory=list, repr=False)
-
-    def deps(self, program: Program) -> tuple[tuple[int, ...], ...]:
-        """Producer equations of each equation (computed on first use)."""
-        if not self._deps:
-            producer: dict[int, int] = {}
-            out = []
-            for i, e in enumerate(program.eqns):
-                d = [producer[a.id] for a in e.inputs if type(a) is Var and a.id in producer]
-                out.append(tuple(d))
-                for o in e.outputs:
-                    producer[o.id] = i
-            self._deps.append(tuple(out))
-        return self._deps[0]
 
 
-_ANALYSES: dict[int, tuple[weakref.ref, ProgramCosts]] = {}
 _KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
 
 def analyze(program: Program) -> ProgramCosts:
-    """FLOPs, bytes, kinds, collectives and liveness of a program (hardware independent; cached per object)."""
-    hit = _ANALYSES.get(id(program))
-    if hit is not None and hit[0]() is program:
-        return hit[1]
+    """FLOPs, bytes, kinds, collectives and liveness of a program (hardware independent; computed afresh:
+    :meth:`Analyzer.analysis` keeps it)."""
     n = len(program.eqns)
     flops = [0.0] * n
     byts = [0.0] * n
@@ -209,46 +195,155 @@ def analyze(program: Program) -> ProgramCosts:
     pc = ProgramCosts(np.array(flops), np.array(byts), np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
                       np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm), peak_memory(program),
                       comm_index, tuple(keys), np.array(inverse, dtype=np.int64), is_comm)
-    if len(_ANALYSES) > 256:
-        for key in [k for k, (ref, _) in _ANALYSES.items() if ref() is None]:
-            del _ANALYSES[key]
-    _ANALYSES[id(program)] = (weakref.ref(program), pc)
     return pc
+
+
+# -- what repeated evaluations reuse ------------------------------------------------------------------
+class _Analysis:
+    """One program's analysis, and its dependencies once the overlap schedule asked for them."""
+
+    __slots__ = ("program", "costs", "deps")
+
+    def __init__(self, program: Program, costs: ProgramCosts) -> None:
+        self.program = program
+        self.costs = costs
+        self.deps: tuple[tuple[int, ...], ...] | None = None
+
+
+class Analyzer:
+    """What repeated evaluations (a search, a sweep, a benchmark) reuse, owned by whoever evaluates.
+
+    - the analysis of the last ``max_programs`` programs (recently used kept; a program is matched
+      by identity, and kept alive while it is here);
+    - collective prices per placement (:class:`~partir_emu.hwmodels.comm.PriceCache`);
+    - the spec files read (:class:`~partir_emu.hwmodels.specs.SpecLoader`) and the placements
+      built, by (mesh axes, spec, mapping, slice) (hashable keys; at most ``max_placements``).
+
+    A new Analyzer starts cold; :meth:`clear` forgets everything, ``prices.clear()`` the prices."""
+
+    def __init__(self, max_programs: int = 8, max_placements: int = 128) -> None:
+        self.max_programs = max_programs
+        self.max_placements = max_placements
+        self.specs = SpecLoader()
+        self.prices = PriceCache()
+        self._programs: list[_Analysis] = []                    # least recently used first
+        self._placements: dict[tuple, Placement] = {}
+
+    def clear(self) -> None:
+        self._programs.clear()
+        self._placements.clear()
+        self.prices.clear()
+        self.specs.clear()
+
+    def _entry(self, program: Program) -> _Analysis:
+        progs = self._programs
+        if progs and progs[-1].program is program:              # the usual case: the same program again
+            return progs[-1]
+        for i, e in enumerate(progs):
+            if e.program is program:
+                progs.append(progs.pop(i))
+                return e
+        e = _Analysis(program, analyze(program))
+        progs.append(e)
+        if len(progs) > self.max_programs:
+            del progs[0]
+        return e
+
+    def analysis(self, program: Program) -> ProgramCosts:
+        """:func:`analyze` of ``program``, computed once while it is kept."""
+        return self._entry(program).costs
+
+    def dependencies(self, program: Program) -> tuple[tuple[int, ...], ...]:
+        """The producer equations of each equation (``core.analysis.dependencies``), computed once."""
+        e = self._entry(program)
+        if e.deps is None:
+            e.deps = dependencies(program)
+        return e.deps
+
+    def spec(self, spec: HardwareSpec | str) -> HardwareSpec:
+        return self.specs.load(spec)
+
+    def placement(self, mesh: Mesh, spec: HardwareSpec, mapping: Placement | str | Mapping | None = None,
+                  slice_dims: Sequence[int] | None = None) -> Placement:
+        """``mapping`` if it is a Placement, else :func:`~partir_emu.hwmodels.placement.place` (kept)."""
+        if isinstance(mapping, Placement):
+            return mapping
+        try:
+            key: tuple | None = (mesh.axes, spec, repr(mapping), tuple(slice_dims) if slice_dims is not None else None)
+            hit = self._placements.get(key)
+        except TypeError:            # unhashable mapping values: build afresh
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        placement = place(mesh, spec, mapping, slice_dims)
+        if key is not None:
+            if len(self._placements) >= self.max_placements:
+                self._placements.clear()
+            self._placements[key] = placement
+        return placement
+
+    def simulate(self, spmd: SpmdProgram, spec: HardwareSpec | str,
+                 placement: Placement | str | Mapping | None = None, overlap: bool = False, *,
+                 algorithms: str | dict[str, str] | None = None,
+                 slice_dims: tuple[int, ...] | None = None) -> SimReport:
+        """As the module's :func:`simulate`, with what this analyzer keeps."""
+        spec = self.spec(spec)
+        placement = self.placement(spmd.mesh, spec, placement, slice_dims)
+        pc = self.analysis(spmd.program)
+        times = compute_times(pc, spec)
+        model = CommModel(placement, algorithms, self.prices)
+        # all collectives with the same (prim, axes, nbytes, dtype) cost the same: price each distinct one once
+        costs = [model.cost(prim, axes, nbytes, dtype) for prim, axes, nbytes, dtype in pc.comm_keys]
+        is_comm = pc.is_comm
+        if costs:
+            times[pc.comm_index] = np.array([c.time_s for c in costs])[pc.comm_inverse]
+        compute_s = float(times[~is_comm].sum())
+        comm_s = float(times[is_comm].sum())
+        if overlap:
+            step_s, starts = _overlap_schedule(times, is_comm, self.dependencies(spmd.program))
+            comm_starts = [starts[i] for i in pc.comm_index.tolist()]
+        else:
+            step_s = compute_s + comm_s
+            comm_starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))[pc.comm_index].tolist() if pc.comm else []
+        rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, s0)
+                for (i, prim, axes, nbytes, _), c, s0 in zip(pc.comm, (costs[k] for k in pc.comm_inverse.tolist()),
+                                                              comm_starts)]
+        by_kind, by_prim, by_coll, by_axes = _breakdowns(pc, times, costs)
+        mem = pc.memory
+        flops_total = float(pc.flops.sum())
+        return SimReport(
+            spec=spec.name, topology=placement.topology.describe(), placement=placement.describe(),
+            mesh=str(spmd.mesh), num_devices=spmd.mesh.size, overlap=overlap, step_s=float(step_s),
+            compute_s=compute_s, comm_s=comm_s, exposed_comm_s=float(step_s) - compute_s,
+            flops_per_device=flops_total, hbm_traffic_bytes=float(pc.bytes.sum()),
+            peak_bytes_per_device=mem.peak_bytes, hbm_bytes=spec.hbm_bytes, fits=mem.peak_bytes <= spec.hbm_bytes,
+            memory=dict(mem.breakdown), peak_at=mem.peak_at, by_op_kind=by_kind, by_prim=by_prim,
+            by_collective=by_coll, by_axes=by_axes,
+            mfu=flops_total / (step_s * spec.flops_bf16_per_s) if step_s > 0 else 0.0, collectives=tuple(rows))
+
+
+DEFAULT_ANALYZER = Analyzer()
+"""The analyzer of callers that pass none (``simulate(spmd, spec)``, ``simulate_des``): repeated
+evaluations of a program stay cheap without any setup. Pass your own to own what is kept."""
 
 
 # -- the simulator ------------------------------------------------------------------------------------
 def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
              overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
-             slice_dims: tuple[int, ...] | None = None) -> SimReport:
+             slice_dims: tuple[int, ...] | None = None, analyzer: Analyzer | None = None) -> SimReport:
     """Predict one step of ``spmd`` on ``spec`` hardware.
 
     ``placement``: a :class:`Placement`, a mapping string such as ``"model=x,batch=yz"`` (or dict), or
     ``None`` for the default placement; ``slice_dims`` picks a TPU slice shape. ``algorithms`` overrides
-    the collective algorithm, for all kinds (a name) or per kind (``{"all_reduce": "ring"}``)."""
-    spec = load_spec(spec)
-    if not isinstance(placement, Placement):
-        placement = place(spmd.mesh, spec, placement, slice_dims)
-    pc = analyze(spmd.program)
-    times = compute_times(pc, spec)
+    the collective algorithm, for all kinds (a name) or per kind (``{"all_reduce": "ring"}``).
+    ``analyzer`` keeps analyses, prices and placements between calls (default :data:`DEFAULT_ANALYZER`)."""
+    return (analyzer if analyzer is not None else DEFAULT_ANALYZER).simulate(
+        spmd, spec, placement, overlap, algorithms=algorithms, slice_dims=slice_dims)
 
-    model = CommModel(placement, algorithms)
-    # all collectives with the same (prim, axes, nbytes, dtype) cost the same: price each distinct one once
-    costs = [model.cost(prim, axes, nbytes, dtype) for prim, axes, nbytes, dtype in pc.comm_keys]
-    is_comm = pc.is_comm
-    if costs:
-        times[pc.comm_index] = np.array([c.time_s for c in costs])[pc.comm_inverse]
-    compute_s = float(times[~is_comm].sum())
-    comm_s = float(times[is_comm].sum())
-    if overlap:
-        step_s, starts = _overlap_schedule(times, is_comm, pc.deps(spmd.program))
-        comm_starts = [starts[i] for i in pc.comm_index.tolist()]
-    else:
-        step_s = compute_s + comm_s
-        comm_starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))[pc.comm_index].tolist() if pc.comm else []
-    rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, s0)
-            for (i, prim, axes, nbytes, _), c, s0 in zip(pc.comm, (costs[k] for k in pc.comm_inverse.tolist()),
-                                                          comm_starts)]
 
+def _breakdowns(pc: ProgramCosts, times: np.ndarray, costs: list[CollectiveCost]) -> tuple[dict, ...]:
+    """Time, count, FLOPs and bytes by op kind and by primitive; time, count and bytes by collective
+    kind and by mesh axes."""
     nk = len(KINDS)
     ksums = [np.bincount(pc.kind, weights=w, minlength=nk).tolist() for w in (None, times, pc.flops, pc.bytes)]
     by_kind = {name: {"count": int(ksums[0][k]), "time_s": ksums[1][k], "flops": ksums[2][k], "bytes": ksums[3][k]}
@@ -267,18 +362,7 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
             d["count"] += cnt
             d["time_s"] += cnt * c.time_s
             d["bytes"] += cnt * nbytes
-
-    mem = pc.memory
-    flops_total = float(pc.flops.sum())
-    report = SimReport(
-        spec=spec.name, topology=placement.topology.describe(), placement=placement.describe(), mesh=str(spmd.mesh),
-        num_devices=spmd.mesh.size, overlap=overlap, step_s=float(step_s), compute_s=compute_s, comm_s=comm_s,
-        exposed_comm_s=float(step_s) - compute_s, flops_per_device=flops_total,
-        hbm_traffic_bytes=float(pc.bytes.sum()), peak_bytes_per_device=mem.peak_bytes, hbm_bytes=spec.hbm_bytes,
-        fits=mem.peak_bytes <= spec.hbm_bytes, memory=dict(mem.breakdown), peak_at=mem.peak_at,
-        by_op_kind=by_kind, by_prim=by_prim, by_collective=by_coll, by_axes=by_axes,
-        mfu=flops_total / (step_s * spec.flops_bf16_per_s) if step_s > 0 else 0.0, collectives=tuple(rows))
-    return report
+    return by_kind, by_prim, by_coll, by_axes
 
 
 def compute_times(pc: ProgramCosts, spec: HardwareSpec) -> np.ndarray:

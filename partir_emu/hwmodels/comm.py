@@ -13,6 +13,10 @@ messages cross:
 All groups of one collective have the same shape, so one representative group
 (the one holding device 0) is priced. Contention *between* the concurrent groups
 of a collective is modelled only by the DES.
+
+A :class:`CommModel` remembers the prices it computed; give several of them one
+:class:`PriceCache` (as :class:`~partir_emu.hwmodels.analytical.Analyzer` does) to keep
+the prices between evaluations.
 """
 from __future__ import annotations
 
@@ -116,13 +120,39 @@ def _price(sched: CollectiveSchedule, chips: tuple[int, ...], topology: Topology
     return total, nmsg, max_hops
 
 
-class CommModel:
-    """Prices collectives over mesh axes on one placement; caches by (kind, axes, nbytes, algorithm)."""
+class PriceCache:
+    """Collective prices kept between evaluations: per placement (by its hashable ``Placement.key``:
+    topology, mesh and factors), the cost of each (kind, axes, nbytes, dtype, requested algorithm).
 
-    def __init__(self, placement: Placement, algorithms: str | dict[str, str] | None = None) -> None:
+    At most ``max_placements`` placements are kept; past that the cache starts afresh (a search over
+    placements would otherwise grow it without bound)."""
+
+    def __init__(self, max_placements: int = 64) -> None:
+        self.max_placements = max_placements
+        self._by_placement: dict[tuple, dict[tuple, CollectiveCost]] = {}
+
+    def for_placement(self, key: tuple) -> dict[tuple, CollectiveCost]:
+        """The (mutable) table of prices on the placement with ``key``."""
+        table = self._by_placement.get(key)
+        if table is None:
+            if len(self._by_placement) >= self.max_placements:
+                self._by_placement.clear()
+            table = self._by_placement[key] = {}
+        return table
+
+    def clear(self) -> None:
+        self._by_placement.clear()
+
+
+class CommModel:
+    """Prices collectives over mesh axes on one placement; remembers each price by
+    (kind, axes, nbytes, dtype, algorithm), in ``prices`` when given (shared between models)."""
+
+    def __init__(self, placement: Placement, algorithms: str | dict[str, str] | None = None,
+                 prices: PriceCache | None = None) -> None:
         self.placement = placement
         self.algorithms = algorithms
-        self._cache = _CACHE.setdefault(placement.key, {})
+        self._cache = (prices if prices is not None else PriceCache()).for_placement(placement.key)
 
     def requested(self, kind: str) -> str | None:
         a = self.algorithms
@@ -133,9 +163,6 @@ class CommModel:
         key = (kind, axes, nbytes, dtype, requested)
         c = self._cache.get(key)
         if c is None:
-            if len(_CACHE) > _MAX_PLACEMENTS:
-                _CACHE.clear()
-                _CACHE[self.placement.key] = self._cache
             c = self._cache[key] = self._compute(kind, axes, nbytes, dtype, requested)
         return c
 
@@ -162,7 +189,3 @@ class CommModel:
         choice, sched = built
         t, nmsg, hops = _price(sched, choice.chips, self.placement.topology)
         return CollectiveCost(kind, sched.algorithm, len(choice.chips), nbytes, t, sched.num_steps, nmsg, hops)
-
-
-_CACHE: dict[tuple, dict[tuple, CollectiveCost]] = {}
-_MAX_PLACEMENTS = 64

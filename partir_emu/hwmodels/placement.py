@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import MeshError, PlacementError
@@ -65,37 +65,39 @@ class GroupLayout:
         return bool(self.factors) and all(self.wrap)
 
 
-@dataclass(frozen=True, eq=False)
 class Placement:
-    """Where each device of ``mesh`` lives on ``topology``. Use :func:`place` to build one from a spec."""
+    """Where each device of ``mesh`` lives on ``topology``. Use :func:`place` to build one from a spec.
 
-    mesh: Mesh
-    topology: Topology
-    mapping: str | Mapping[str, str | Sequence[str]] | None = None
-    factors: dict[str, tuple[Factor, ...]] = field(init=False, repr=False)
-    _cache: dict = field(default_factory=dict, init=False, repr=False)
+    Immutable once built. ``factors`` (per mesh axis, its physical factors) and ``key`` (hashable:
+    topology, mesh and factors; price caches use it) are computed when it is built; the chip of
+    each device and the layout of the groups over some axes on first request, then kept, since
+    they never change."""
 
-    def __post_init__(self) -> None:
-        if self.mesh.size != self.topology.num_chips:
-            raise PlacementError(f"{self.mesh} has {self.mesh.size} devices but {self.topology.describe()} has "
-                                 f"{self.topology.num_chips} chips; build the topology for the mesh size")
-        m = _parse_mapping(self.mapping, self.mesh, self.topology) if self.mapping is not None else None
-        object.__setattr__(self, "factors", _explicit(m, self.mesh, self.topology) if m is not None
-                           else _fill(self.mesh, self.topology))
+    __slots__ = ("mesh", "topology", "mapping", "factors", "key", "_chips", "_groups")
 
-    @property
-    def key(self) -> tuple:
-        k = self._cache.get("key")
-        if k is None:
-            k = self._cache["key"] = (self.topology.key, self.mesh.axes,
-                                      tuple((a, self.factors[a]) for a in self.mesh.axis_names))
-        return k
+    def __init__(self, mesh: Mesh, topology: Topology,
+                 mapping: str | Mapping[str, str | Sequence[str]] | None = None) -> None:
+        if mesh.size != topology.num_chips:
+            raise PlacementError(f"{mesh} has {mesh.size} devices but {topology.describe()} has "
+                                 f"{topology.num_chips} chips; build the topology for the mesh size")
+        m = _parse_mapping(mapping, mesh, topology) if mapping is not None else None
+        self.mesh = mesh
+        self.topology = topology
+        self.mapping = mapping
+        self.factors: dict[str, tuple[Factor, ...]] = (_explicit(m, mesh, topology) if m is not None
+                                                      else _fill(mesh, topology))
+        self.key: tuple = (topology.key, mesh.axes, tuple((a, self.factors[a]) for a in mesh.axis_names))
+        self._chips: tuple[int, ...] | None = None           # chip of each device, on first use
+        self._groups: dict[tuple[str, ...], GroupLayout] = {}
+
+    def __repr__(self) -> str:
+        return f"Placement(mesh={self.mesh!r}, topology={self.topology!r}, mapping={self.mapping!r})"
 
     def chip_of(self, device: int) -> int:
         """The chip (``Topology`` node id) that hosts mesh device ``device``."""
-        table = self._cache.get("chips")
+        table = self._chips
         if table is None:
-            table = self._cache["chips"] = tuple(self._chip(d) for d in range(self.mesh.size))
+            table = self._chips = tuple(self._chip(d) for d in range(self.mesh.size))
         return table[device]
 
     def _chip(self, device: int) -> int:
@@ -109,9 +111,12 @@ class Placement:
     def group(self, axes: Sequence[str]) -> GroupLayout:
         """Physical layout of the groups over ``axes`` (ordered as a collective over ``axes`` orders them)."""
         axes = tuple(axes)
-        g = self._cache.get(("group", axes))
-        if g is not None:
-            return g
+        g = self._groups.get(axes)
+        if g is None:
+            g = self._groups[axes] = self._layout(axes)
+        return g
+
+    def _layout(self, axes: tuple[str, ...]) -> GroupLayout:
         for a in axes:
             try:
                 self.mesh.check_axis(a)
@@ -125,10 +130,8 @@ class Placement:
         if topo.kind == "gpu":
             nodes = len({topo.node_of(c) for c in chips})
             per_node = len(chips) // nodes
-        g = GroupLayout(axes, len(chips), factors, tuple(topo.dim_names[f.dim] for f in factors), wrap, chips,
-                        nodes, per_node)
-        self._cache[("group", axes)] = g
-        return g
+        return GroupLayout(axes, len(chips), factors, tuple(topo.dim_names[f.dim] for f in factors), wrap, chips,
+                           nodes, per_node)
 
     def describe(self) -> str:
         parts = []
@@ -148,26 +151,12 @@ def place(mesh: Mesh, spec: HardwareSpec, mapping: str | Mapping | None = None,
     """Build the topology of ``spec`` for ``mesh.size`` chips and place the mesh on it.
 
     With an explicit ``mapping`` and no ``slice_dims``, a torus slice is shaped after the mapping
-    (each physical dim gets the size of the mesh axis placed on it, when that is unambiguous)."""
-    try:
-        key = (mesh.axes, spec, repr(mapping), tuple(slice_dims) if slice_dims is not None else None)
-        hit = _PLACED.get(key)
-    except TypeError:            # unhashable mapping values: build afresh
-        key, hit = None, None
-    if hit is not None:
-        return hit
+    (each physical dim gets the size of the mesh axis placed on it, when that is unambiguous).
+    Builds afresh each time; :meth:`~partir_emu.hwmodels.analytical.Analyzer.placement` keeps them."""
     dims = tuple(slice_dims) if slice_dims is not None else None
     if dims is None and mapping is not None and spec.kind == "tpu":
         dims = _dims_from_mapping(mapping, mesh, len(spec.network.pod_dims))
-    placement = Placement(mesh, topology_for(spec, mesh.size, dims), mapping)
-    if key is not None:
-        if len(_PLACED) > 128:
-            _PLACED.clear()
-        _PLACED[key] = placement
-    return placement
-
-
-_PLACED: dict[tuple, Placement] = {}
+    return Placement(mesh, topology_for(spec, mesh.size, dims), mapping)
 
 
 # -- default placement --------------------------------------------------------------------------------

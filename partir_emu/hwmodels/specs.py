@@ -157,43 +157,78 @@ def find_spec(name_or_path: str | os.PathLike) -> Path:
     s = str(name_or_path)
     if s.endswith(".toml") or os.sep in s or (os.altsep and os.altsep in s):
         p = Path(s)
-        if not p.is_file():
+        if not _is_file(p):
             raise SpecError(f"hardware spec file {s} does not exist")
         return p
     for d in search_path():
         p = d / f"{s}.toml"
-        if p.is_file():
+        if _is_file(p):
             return p
     raise SpecError(f"no hardware spec named {s!r}; known specs: {', '.join(list_specs())}. "
                     f"Add {s}.toml to a directory listed in ${ENV_VAR} or pass a path to a .toml file")
 
 
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except (OSError, ValueError):       # a name too long for the file system, a NUL in it
+        return False
+
+
 # -- loading and validating -------------------------------------------------------------------------
 def load_spec(name_or_path: str | os.PathLike | HardwareSpec,
               overrides: Mapping[str, Any] | None = None) -> HardwareSpec:
-    """Load and validate a spec by name (``"tpu-v4"``) or path.
+    """Load and validate a spec by name (``"tpu-v4"``) or path (reads the file; a :class:`SpecLoader`
+    reads each file once).
 
     ``overrides`` maps ``"table.field"`` (or a top-level ``"field"``) to a value applied before validation,
     e.g. ``{"topology.fabric": "rail_optimized"}``.
     """
-    if isinstance(name_or_path, HardwareSpec) and not overrides:
-        return name_or_path
-    if isinstance(name_or_path, HardwareSpec):
-        name_or_path = name_or_path.path
-    path = find_spec(name_or_path)
-    key = None
-    if not overrides:
-        try:
-            key = (str(path.resolve()), path.stat().st_mtime_ns)
-        except OSError:
-            key = None
-        if key in _LOADED:
-            return _LOADED[key]
+    return SpecLoader().load(name_or_path, overrides)
+
+
+class SpecLoader:
+    """Loads specs and keeps each file it parsed, by (resolved path, modification time): a memo with
+    hashable keys, so an edited file is read again. A load with ``overrides`` is never kept."""
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple[str, int], HardwareSpec] = {}
+
+    def clear(self) -> None:
+        self._specs.clear()
+
+    def load(self, name_or_path: str | os.PathLike | HardwareSpec,
+             overrides: Mapping[str, Any] | None = None) -> HardwareSpec:
+        """As :func:`load_spec`; a spec object without overrides is returned as it is."""
+        if isinstance(name_or_path, HardwareSpec) and not overrides:
+            return name_or_path
+        if isinstance(name_or_path, HardwareSpec):
+            name_or_path = name_or_path.path
+        path = find_spec(name_or_path)
+        key = None
+        if not overrides:
+            try:
+                key = (str(path.resolve()), path.stat().st_mtime_ns)
+            except OSError:
+                key = None
+            hit = self._specs.get(key) if key is not None else None
+            if hit is not None:
+                return hit
+        spec = spec_from_dict(_read(path, overrides), str(path))
+        if key is not None:
+            self._specs[key] = spec
+        return spec
+
+
+def _read(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The parsed TOML of ``path`` with ``overrides`` applied."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not valid TOML ({exc})") from None
+    except UnicodeDecodeError as exc:       # TOML is UTF-8: a binary or Latin-1 file fails here
+        raise SpecError(f"{path}: not a TOML file (byte {exc.start} is not UTF-8 text)") from None
     except OSError as exc:
         raise SpecError(f"cannot read hardware spec {path}: {exc.strerror}") from None
     for key, value in (overrides or {}).items():
@@ -202,13 +237,7 @@ def load_spec(name_or_path: str | os.PathLike | HardwareSpec,
         if not isinstance(target, dict):
             raise SpecError(f"{path}: override {key!r} names table [{table}], which is not a table")
         target[fld] = value
-    spec = spec_from_dict(data, str(path))
-    if key is not None:
-        _LOADED[key] = spec
-    return spec
-
-
-_LOADED: dict[tuple[str, int], HardwareSpec] = {}
+    return data
 
 
 def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSpec:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels.specs import GpuClusterSpec, HardwareSpec, TorusSpec
@@ -48,22 +49,33 @@ class Link:
         return self.label or f"link{self.id} {self.src}->{self.dst}"
 
 
-@dataclass(frozen=True, eq=False)
 class Topology:
-    """An immutable link graph. Build with :meth:`torus`, :meth:`gpu_cluster` or :func:`topology_for`."""
+    """An immutable link graph. Build with :meth:`torus`, :meth:`gpu_cluster` or :func:`topology_for`.
 
-    kind: str                               # "torus" | "gpu"
-    dims: tuple[int, ...]
-    dim_names: tuple[str, ...]
-    wrap: tuple[bool, ...]
-    links: tuple[Link, ...]
-    name: str = ""
-    _by_ends: dict = field(default_factory=dict, repr=False)
-    _routes: dict = field(default_factory=dict, repr=False)
-    _extra: dict = field(default_factory=dict, repr=False)
+    ``key`` (a small hashable identity; price caches use it) and the index of links by their ends
+    are computed when it is built; a route when first asked for, then kept (``_routes``), since
+    it never changes. ``leaf_of``: GPU clusters, the InfiniBand leaf switch of each GPU's NIC."""
 
-    def __post_init__(self) -> None:
-        self._by_ends.update({(lk.src, lk.dst): lk for lk in self.links})
+    __slots__ = ("kind", "dims", "dim_names", "wrap", "links", "name", "leaf_of", "key", "_by_ends", "_routes")
+
+    def __init__(self, kind: str, dims: tuple[int, ...], dim_names: tuple[str, ...], wrap: tuple[bool, ...],
+                 links: tuple[Link, ...], name: str = "", leaf_of: Mapping[int, str] | None = None) -> None:
+        self.kind = kind                    # "torus" | "gpu"
+        self.dims = dims
+        self.dim_names = dim_names
+        self.wrap = wrap
+        self.links = links
+        self.name = name
+        self.leaf_of: Mapping[int, str] = dict(leaf_of or {})
+        self.key: tuple = (name, kind, dims, wrap, len(links),
+                           tuple(sorted({(lk.kind, lk.bw_bytes_per_s, lk.latency_s) for lk in links})),
+                           tuple(sorted(set(self.leaf_of.values()))))
+        self._by_ends: dict[tuple[Node, Node], Link] = {(lk.src, lk.dst): lk for lk in links}
+        self._routes: dict[tuple[int, int], tuple[Link, ...]] = {}
+
+    def __repr__(self) -> str:
+        return (f"Topology(kind={self.kind!r}, dims={self.dims!r}, dim_names={self.dim_names!r}, wrap={self.wrap!r}, "
+                f"links=<{len(self.links)}>, name={self.name!r})")
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -135,24 +147,12 @@ class Topology:
                 for leaf, k in ports.items():
                     add(leaf, "spine", k * net.nic_bw_bytes_per_s, net.ib_latency_s, "ib", f"ib {leaf}->spine")
                     add("spine", leaf, k * net.nic_bw_bytes_per_s, net.ib_latency_s, "ib", f"ib spine->{leaf}")
-        topo = cls("gpu", (nodes, per), GPU_DIM_NAMES, (False, False), tuple(links), name)
-        topo._extra["leaf_of"] = leaf_of
-        return topo
+        return cls("gpu", (nodes, per), GPU_DIM_NAMES, (False, False), tuple(links), name, leaf_of)
 
     # -- queries ----------------------------------------------------------------------------------
     @property
     def num_chips(self) -> int:
         return math.prod(self.dims)
-
-    @property
-    def key(self) -> tuple:
-        """A small hashable identity (for caches)."""
-        k = self._extra.get("key")
-        if k is None:
-            k = self._extra["key"] = (self.name, self.kind, self.dims, self.wrap, len(self.links),
-                                      tuple(sorted({(lk.kind, lk.bw_bytes_per_s, lk.latency_s) for lk in self.links})),
-                                      tuple(sorted(set(self._extra.get("leaf_of", {}).values()))))
-        return k
 
     def coords(self, chip: int) -> tuple[int, ...]:
         out = []
@@ -211,7 +211,7 @@ class Topology:
         ns, nd = src // per, dst // per
         if ns == nd:
             return [self._by_ends[(src, f"nvswitch{ns}")], self._by_ends[(f"nvswitch{nd}", dst)]]
-        leaf_of = self._extra["leaf_of"]
+        leaf_of = self.leaf_of
         ls, ld = leaf_of[src], leaf_of[dst]
         path = [self._by_ends[(src, ls)]]
         if ls != ld:
@@ -269,13 +269,17 @@ def default_slice(spec: TorusSpec, num_chips: int) -> tuple[int, ...]:
     return best[1]
 
 
-def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+def _factorizations(n: int, k: int, least: int = 1) -> list[tuple[int, ...]]:
+    """Every way to write ``n`` as a non-decreasing product of ``k`` factors ≥ ``least``
+    (the smallest factor is at most n^(1/k), so this is fast even for absurd ``n``)."""
     if k == 1:
-        return [(n,)]
+        return [(n,)] if n >= least else []
     out = []
-    for a in range(1, n + 1):
+    a = least
+    while a ** k <= n:
         if n % a == 0:
-            out += [(a,) + rest for rest in _factorizations(n // a, k - 1) if rest[0] >= a]
+            out += [(a,) + rest for rest in _factorizations(n // a, k - 1, a)]
+        a += 1
     return out
 
 

@@ -3,12 +3,14 @@
 >>> rep = simulate_des(spmd, "tpu-v4")                  # same inputs as analytical.simulate
 >>> rep.step_s, rep.top_links[0]
 
-Modules: :mod:`.model` (the simulation), :mod:`.device` (op streams, SPMD
-symmetry), :mod:`.collective` (schedules over all groups), :mod:`.network`
-(flow-level max-min), :mod:`.chunked` (store-and-forward), :mod:`.routing`
-(routes, degraded/failed links), :mod:`.trace_export` (Perfetto),
-:mod:`.validate` (analytical vs DES), :mod:`.replay` (MPI message traces),
-:mod:`.cli` (``simulate-des``, ``validate``, ``replay``). Imports neither jax nor mpi4py.
+Modules: :mod:`.model` (the simulation: wires the parts below), :mod:`.protocols` (what
+each part sees of the others), :mod:`.device` (op streams, SPMD symmetry),
+:mod:`.collective` (schedules over all groups), :mod:`.network` (flow-level max-min),
+:mod:`.chunked` (store-and-forward), :mod:`.routing` (routes, degraded/failed links),
+:mod:`.trace_export` (Perfetto), :mod:`.validate` (analytical vs DES on given programs),
+:mod:`.replay` (MPI message traces). The command line (``simulate-des``, ``validate``,
+``replay``) and the validation suites live in :mod:`partir_emu.app`. Imports neither jax
+nor mpi4py.
 """
 from partir_emu.hwmodels.des.model import DesError, DesOptions, Simulation, simulate_des
 from partir_emu.hwmodels.des.network import FlowNetwork, max_min_rates

@@ -18,15 +18,13 @@ utilization counters in the trace (the flow model does).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import simpy
 
+from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
 from partir_emu.hwmodels.des.routing import RoutePattern, Router
-
-Delivered = Callable[[np.ndarray | None, float], None]
 
 
 class ChunkNetwork:
@@ -59,7 +57,7 @@ class ChunkNetwork:
         return r
 
     def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
-             owner: Any = None) -> None:
+             owner: ContentionSink | None = None) -> None:
         ids = np.arange(route.n) if idx is None else idx
         self.batches += 1
         for f, n in zip(ids.tolist(), np.asarray(nbytes).tolist()):

@@ -15,16 +15,13 @@ lock step costs a handful of array operations per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from partir_emu.collectives.schedule import CollectiveSchedule
+from partir_emu.hwmodels.des.protocols import CollectiveHost
 from partir_emu.hwmodels.des.routing import RoutePattern, Router
 from partir_emu.hwmodels.placement import Placement
-
-if TYPE_CHECKING:
-    from partir_emu.hwmodels.des.model import Simulation
 
 
 @dataclass(frozen=True)
@@ -115,11 +112,12 @@ def build_plan(ms: np.ndarray, md: np.ndarray, mb: np.ndarray, G: int, p: int, c
 
 
 class CollectiveRun:
-    """The state of one collective: which step each member is in, and when it started and finished."""
+    """The state of one collective: which step each member is in, and when it started and finished.
+    It sends its flows on ``host.network`` and tells ``host.collective_done`` where it finished."""
 
-    def __init__(self, sim: Simulation, ci: int, index: int, prim: str, axes: tuple[str, ...], nbytes: int,
+    def __init__(self, host: CollectiveHost, ci: int, index: int, prim: str, axes: tuple[str, ...], nbytes: int,
                  algorithm: str, groups: Groups, plans: list[StepPlan]) -> None:
-        self.sim = sim
+        self.host = host
         self.ci = ci                      # position among the program's communicating collectives
         self.index = index                # equation index
         self.prim = prim
@@ -180,18 +178,19 @@ class CollectiveRun:
         idx = None if members.size == self.M else plan.out_flows(members)
         if idx is not None and not idx.size:
             return
-        overhead = self.sim.options.message_overhead_s
+        host = self.host
+        overhead = host.message_overhead_s
         cb = lambda ids, when, s=s: self._delivered(s, ids, when)
         if overhead <= 0:
-            self.sim.network.send(plan.route, idx, plan.nbytes if idx is None else plan.nbytes[idx], cb, self)
+            host.network.send(plan.route, idx, plan.nbytes if idx is None else plan.nbytes[idx], cb, self)
             return
         # each message costs its sender `overhead` to post, one after the other
         ids = np.arange(plan.route.n) if idx is None else idx
         ranks = plan.rank[ids]
         for r in np.unique(ranks).tolist():
             sel = ids[ranks == r]
-            ev = self.sim.env.timeout((r + 1) * overhead)
-            ev.callbacks.append(lambda _e, sel=sel: self.sim.network.send(plan.route, sel, plan.nbytes[sel], cb, self))
+            ev = host.env.timeout((r + 1) * overhead)
+            ev.callbacks.append(lambda _e, sel=sel: host.network.send(plan.route, sel, plan.nbytes[sel], cb, self))
 
     def _delivered(self, s: int, ids: np.ndarray | None, t: float) -> None:
         plan = self.plans[s]
@@ -214,4 +213,4 @@ class CollectiveRun:
         self.finished += members.size
         if self.finished == self.M:
             self._count.clear()
-        self.sim.collective_done(self, self.dev[members], t)
+        self.host.collective_done(self.ci, self.dev[members], t, self.finished == self.M)

@@ -30,15 +30,16 @@ with ``merge_window_s=0``; see :class:`WaitPoint` for the merge window).
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
+import simpy
 
-from partir_emu.core.ir import Program, Var
-
-if TYPE_CHECKING:
-    from partir_emu.hwmodels.des.model import Simulation
+from partir_emu.core.analysis import dependencies
+from partir_emu.core.ir import Program
+from partir_emu.hwmodels.des.protocols import CollectiveOpener, ComputeSink
 
 COMPUTE, READY, WAIT = 0, 1, 2
 
@@ -66,12 +67,10 @@ def compile_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, ove
     eqns = program.eqns
     comm_eqns = tuple(int(i) for i in np.flatnonzero(is_comm))
     cpos = {e: c for c, e in enumerate(comm_eqns)}
-    producer: dict[int, int] = {}
     compute_prod = [-1] * len(comm_eqns)       # last compute equation producing c's inputs
     coll_prods: list[set[int]] = [set() for _ in comm_eqns]
     reads: list[list[int]] = [[] for _ in eqns]   # collectives each compute equation reads
-    for i, e in enumerate(eqns):
-        prods = [producer[a.id] for a in e.inputs if type(a) is Var and a.id in producer]
+    for i, prods in enumerate(dependencies(program)):
         if i in cpos:
             c = cpos[i]
             for j in prods:
@@ -81,8 +80,6 @@ def compile_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, ove
                     compute_prod[c] = max(compute_prod[c], j)
         else:
             reads[i] = sorted({cpos[j] for j in prods if j in cpos})
-        for o in e.outputs:
-            producer[o.id] = i
     prereqs = []
     for c in range(len(comm_eqns)):
         pre = set(coll_prods[c])
@@ -134,20 +131,74 @@ def compile_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, ove
     return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
 
 
+class Devices:
+    """The device side of one simulated step: the op stream, a :class:`Gate` per collective, a
+    :class:`WaitPoint` where the stream reads each collective, and the :class:`Walker` processes.
+
+    It sees the rest of the simulation only through ``opener`` (a gate opened: start the
+    collective there) and ``recorder`` (compute spans for the trace); the simulation tells it
+    through :meth:`collective_done` when a collective finished on some devices."""
+
+    def __init__(self, env: simpy.Environment, stream: OpStream, num_devices: int, opener: CollectiveOpener,
+                 recorder: ComputeSink | None = None, merge_window_s: float = 0.0, symmetry: bool = True) -> None:
+        self.env = env
+        self.stream = stream
+        self.num_devices = num_devices
+        self.opener = opener
+        self.recorder = recorder
+        self.symmetry = symmetry
+        self.merge_window_s = merge_window_s if symmetry else 0.0     # one process per device: nothing merges
+        C = len(stream.comm_eqns)
+        self.gates = [Gate(self, c, len(stream.prereqs[c])) for c in range(C)]
+        self.dependents: list[list[int]] = [[] for _ in range(C)]
+        for c, pre in enumerate(stream.prereqs):
+            for q in pre:
+                self.dependents[q].append(c)
+        self.wait_points: dict[int, WaitPoint] = {
+            a.coll: WaitPoint(self, a.coll, pos + 1) for pos, a in enumerate(stream.actions) if a.kind == WAIT}
+        self.coll_done = [np.zeros(num_devices, dtype=bool) for _ in range(C)]
+        self.device_end = np.full(num_devices, np.nan)
+        self.walkers = 0            # processes started
+        self.live = 0               # processes running now
+        self.max_live = 0
+
+    def start(self, factor: np.ndarray) -> None:
+        """Every device starts the stream at time 0; ``factor[d]``: device ``d``'s compute slow-down."""
+        for f in np.unique(factor).tolist():
+            self.spawn(np.flatnonzero(factor == f), f, 0)
+
+    def spawn(self, devices: np.ndarray, factor: float, pos: int, lag: float = 0.0) -> None:
+        """Run the stream from action ``pos`` for ``devices`` (one walker, or one per device)."""
+        if self.symmetry:
+            self.walkers += 1
+            self.env.process(Walker(self, devices, factor, pos, lag).run())
+            return
+        for d in devices.tolist():
+            self.walkers += 1
+            self.env.process(Walker(self, np.array([d]), factor, pos).run())
+
+    def collective_done(self, c: int, devices: np.ndarray, t: float) -> None:
+        """Collective ``c`` finished on ``devices`` at ``t``: fire the gates waiting for it, release the waits."""
+        self.coll_done[c][devices] = True
+        for q in self.dependents[c]:
+            self.gates[q].fire(devices, t)
+        self.wait_points[c].release(devices)
+
+
 class Gate:
     """Opens collective ``c`` for a device once all its prerequisites fired there."""
 
-    def __init__(self, sim: Simulation, c: int, n_prereqs: int) -> None:
-        self.sim = sim
+    def __init__(self, devs: Devices, c: int, n_prereqs: int) -> None:
+        self.devs = devs
         self.c = c
-        self.need = np.full(sim.num_devices, n_prereqs + 1, dtype=np.int32)    # + its own Ready
+        self.need = np.full(devs.num_devices, n_prereqs + 1, dtype=np.int32)    # + its own Ready
 
     def fire(self, devices: np.ndarray, t: float) -> None:
         need = self.need
         need[devices] -= 1
         opened = devices[need[devices] == 0]
         if opened.size:
-            self.sim.open_collective(self.c, opened, t)
+            self.devs.opener.open_collective(self.c, opened, t)
 
 
 class WaitPoint:
@@ -161,8 +212,8 @@ class WaitPoint:
     pod (e.g. after an all-reduce of one scalar, whose members finish microseconds apart)
     from splitting into thousands of single-device processes. ``w = 0``: exact per-device timing."""
 
-    def __init__(self, sim: Simulation, c: int, resume_at: int) -> None:
-        self.sim = sim
+    def __init__(self, devs: Devices, c: int, resume_at: int) -> None:
+        self.devs = devs
         self.c = c
         self.resume_at = resume_at
         self.pending: dict[float, np.ndarray] = {}      # speed factor -> bool mask over devices
@@ -170,31 +221,31 @@ class WaitPoint:
 
     def arrive(self, devices: np.ndarray, factor: float) -> np.ndarray:
         """``devices`` reach the wait now: returns those whose collective is done (they go on)."""
-        done = self.sim.coll_done[self.c][devices]
+        done = self.devs.coll_done[self.c][devices]
         if done.all():
             return devices
         mask = self.pending.get(factor)
         if mask is None:
-            mask = self.pending[factor] = np.zeros(self.sim.num_devices, dtype=bool)
+            mask = self.pending[factor] = np.zeros(self.devs.num_devices, dtype=bool)
         mask[devices[~done]] = True
         return devices[done]
 
     def release(self, devices: np.ndarray) -> None:
-        sim = self.sim
-        window = sim.options.merge_window_s if sim.options.symmetry else 0.0
-        now = sim.env.now
+        devs = self.devs
+        window = devs.merge_window_s
+        now = devs.env.now
         for factor, mask in self.pending.items():
             sel = devices[mask[devices]]
             if not sel.size:
                 continue
             mask[sel] = False
             if window <= 0:
-                sim.spawn(sel, factor, self.resume_at)
+                devs.spawn(sel, factor, self.resume_at)
                 continue
             rnd = self.rounds.get(factor)
             if rnd is None:
                 rnd = self.rounds[factor] = [[], now]
-                ev = sim.env.timeout(window)
+                ev = devs.env.timeout(window)
                 ev.callbacks.append(lambda _e, f=factor, r=rnd: self._flush(f, r))
             rnd[0].append(sel)
             rnd[1] = now
@@ -206,35 +257,36 @@ class WaitPoint:
             return                              # already flushed
         del self.rounds[factor]
         devices = np.concatenate(rnd[0]) if len(rnd[0]) > 1 else rnd[0][0]
-        self.sim.spawn(devices, factor, self.resume_at, lag=self.sim.env.now - rnd[1])
+        self.devs.spawn(devices, factor, self.resume_at, lag=self.devs.env.now - rnd[1])
 
 
 class Walker:
     """A simpy process running the op stream from action ``pos`` for a set of devices of one speed.
     ``lag``: how far behind ``env.now`` its timeline is (merge window); the next compute absorbs it."""
 
-    def __init__(self, sim: Simulation, devices: np.ndarray, factor: float, pos: int, lag: float = 0.0) -> None:
-        self.sim = sim
+    def __init__(self, devs: Devices, devices: np.ndarray, factor: float, pos: int, lag: float = 0.0) -> None:
+        self.devs = devs
         self.devices = devices
         self.factor = factor
         self.pos = pos
         self.lag = lag
 
-    def run(self):
-        sim = self.sim
-        env = sim.env
-        acts = sim.stream.actions
+    def run(self) -> Generator[simpy.Event, Any, None]:
+        devs = self.devs
+        env = devs.env
+        acts = devs.stream.actions
         devices, factor, lag = self.devices, self.factor, self.lag
-        rec = sim.recorder
-        sim.live += 1
-        sim.max_live = max(sim.max_live, sim.live)
+        rec = devs.recorder
+        devs.live += 1
+        devs.max_live = max(devs.max_live, devs.live)
         try:
             yield from self._run(env, acts, devices, factor, lag, rec)
         finally:
-            sim.live -= 1
+            devs.live -= 1
 
-    def _run(self, env, acts, devices, factor, lag, rec):
-        sim = self.sim
+    def _run(self, env: simpy.Environment, acts: tuple[Action, ...], devices: np.ndarray, factor: float,
+             lag: float, rec: ComputeSink | None) -> Generator[simpy.Event, Any, None]:
+        devs = self.devs
         for pos in range(self.pos, len(acts)):
             a = acts[pos]
             if a.kind == COMPUTE:
@@ -248,9 +300,9 @@ class Walker:
                     if rec is not None:
                         rec.compute(devices, t0, env.now - lag, a)
             elif a.kind == READY:
-                sim.gates[a.coll].fire(devices, env.now)
+                devs.gates[a.coll].fire(devices, env.now)
             else:
-                devices = sim.wait_points[a.coll].arrive(devices, factor)
+                devices = devs.wait_points[a.coll].arrive(devices, factor)
                 if not devices.size:
                     return
-        sim.device_end[devices] = env.now
+        devs.device_end[devices] = env.now

@@ -31,18 +31,19 @@ import numpy as np
 import simpy
 
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.hwmodels.analytical import analyze, compute_times
+from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer, compute_times
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des.chunked import ChunkNetwork
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, StepPlan, make_groups, step_plans
-from partir_emu.hwmodels.des.device import WAIT, Gate, OpStream, WaitPoint, Walker, compile_stream
+from partir_emu.hwmodels.des.device import Devices, OpStream, compile_stream
 from partir_emu.hwmodels.des.network import FlowNetwork
 from partir_emu.hwmodels.des.progress import Progress
+from partir_emu.hwmodels.des.protocols import Network
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
 from partir_emu.hwmodels.des.routing import DesError, Router, link_factors
-from partir_emu.hwmodels.des.trace_export import Recorder
-from partir_emu.hwmodels.placement import Placement, place
-from partir_emu.hwmodels.specs import HardwareSpec, load_spec
+from partir_emu.hwmodels.des.trace_export import Recorder, write_chrome_trace
+from partir_emu.hwmodels.placement import Placement
+from partir_emu.hwmodels.specs import HardwareSpec
 
 NETWORKS = ("flow", "chunk")
 
@@ -99,10 +100,18 @@ class DesOptions:
 
 
 class Simulation:
-    """One step of ``spmd`` on a placement: build with the inputs, then :meth:`run`."""
+    """One step of ``spmd`` on a placement: build with the inputs, then :meth:`run`.
+
+    It wires the parts together and is the only one that knows them all: the devices
+    (:class:`~.device.Devices`) open collectives through :meth:`open_collective`; each collective
+    (:class:`~.collective.CollectiveRun`) sends on :attr:`network` and reports through
+    :meth:`collective_done` (the :class:`~.protocols.CollectiveHost` and
+    :class:`~.protocols.CollectiveOpener` protocols)."""
 
     def __init__(self, spmd: SpmdProgram, spec: HardwareSpec, placement: Placement, overlap: bool,
-                 algorithms: str | dict[str, str] | None, options: DesOptions) -> None:
+                 algorithms: str | dict[str, str] | None, options: DesOptions,
+                 analyzer: Analyzer | None = None) -> None:
+        analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
         self.spmd = spmd
         self.spec = spec
         self.placement = placement
@@ -116,56 +125,51 @@ class Simulation:
         topo = placement.topology
         factors = link_factors(topo, options.degraded_links, options.failed_links)
         self.router = Router(topo, factors)
-        pc = analyze(spmd.program)
+        pc = analyzer.analysis(spmd.program)
         self.times = compute_times(pc, spec)
-        is_comm = np.zeros(len(self.times), dtype=bool)
-        is_comm[[c[0] for c in pc.comm]] = True
         self.comm = pc.comm                                     # (index, prim, axes, nbytes, dtype)
-        self.stream: OpStream = compile_stream(spmd.program, is_comm, self.times, overlap, options.comm_streams)
+        self.stream: OpStream = compile_stream(spmd.program, pc.is_comm, self.times, overlap, options.comm_streams)
         C = len(self.comm)
-        self.comm_model = CommModel(placement, algorithms)
+        self.comm_model = CommModel(placement, algorithms, analyzer.prices)
         self.factor = np.ones(n)
         for d, f in options.stragglers.items():
             self.factor[d] = f
-        self.recorder = None
+        self.recorder: Recorder | None = None
         if options.trace:
             devs = list(range(min(n, options.trace_devices))) + list(options.stragglers)
             chips = {placement.chip_of(d) for d in devs}
             links = [lk.id for lk in topo.links if lk.src in chips or lk.dst in chips] + list(factors)
             self.recorder = Recorder(devs, links, n, self.router.bw)
+        self._network: Network
         if options.network == "flow":
-            self.network: Any = FlowNetwork(self.env, self.router, self.recorder)
+            self._network = FlowNetwork(self.env, self.router, self.recorder)
         else:
-            self.network = ChunkNetwork(self.env, self.router, options.chunk_bytes, self.recorder)
-        self.gates = [Gate(self, c, len(self.stream.prereqs[c])) for c in range(C)]
-        self.dependents: list[list[int]] = [[] for _ in range(C)]
-        for c, pre in enumerate(self.stream.prereqs):
-            for q in pre:
-                self.dependents[q].append(c)
-        self.wait_points: dict[int, WaitPoint] = {
-            a.coll: WaitPoint(self, a.coll, pos + 1) for pos, a in enumerate(self.stream.actions) if a.kind == WAIT}
-        self.coll_done = [np.zeros(n, dtype=bool) for _ in range(C)]
+            self._network = ChunkNetwork(self.env, self.router, options.chunk_bytes, self.recorder)
+        self.devices = Devices(self.env, self.stream, n, self, self.recorder, options.merge_window_s,
+                               options.symmetry)
         self.runs: list[CollectiveRun | None] = [None] * C
-        self.device_end = np.full(n, np.nan)
         self._groups: dict[tuple[str, ...], Groups] = {}
-        self._plans: dict[tuple, tuple[Any, list[StepPlan]]] = {}
-        self.walkers = 0
-        self.live = 0
-        self.max_live = 0
+        # step plans per distinct collective (prim, axes, nbytes, dtype): its schedule is fixed by the
+        # placement and algorithms of this simulation, so repeats of a collective share their plans
+        self._plans: dict[tuple[str, tuple[str, ...], int, str], list[StepPlan]] = {}
         self.colls_finished = 0
         self.step_s = float("nan")
         self.events = 0
         self.wall_s = 0.0
 
-    # -- wiring called by gates, walkers and collectives ---------------------------------------------
-    def spawn(self, devices: np.ndarray, factor: float, pos: int, lag: float = 0.0) -> None:
-        if self.options.symmetry:
-            self.walkers += 1
-            self.env.process(Walker(self, devices, factor, pos, lag).run())
-            return
-        for d in devices.tolist():
-            self.walkers += 1
-            self.env.process(Walker(self, np.array([d]), factor, pos).run())
+    # -- the protocols: what devices and collectives call -----------------------------------------
+    @property
+    def network(self) -> Network:
+        return self._network
+
+    @property
+    def message_overhead_s(self) -> float:
+        return self.options.message_overhead_s
+
+    @property
+    def device_end(self) -> np.ndarray:
+        """When each device finished the step (NaN until it has)."""
+        return self.devices.device_end
 
     def open_collective(self, c: int, devices: np.ndarray, t: float) -> None:
         run = self.runs[c]
@@ -173,13 +177,9 @@ class Simulation:
             run = self.runs[c] = self._make_run(c)
         run.start(devices, t)
 
-    def collective_done(self, run: CollectiveRun, devices: np.ndarray, t: float) -> None:
-        c = run.ci
-        self.coll_done[c][devices] = True
-        for q in self.dependents[c]:
-            self.gates[q].fire(devices, t)
-        self.wait_points[c].release(devices)
-        if run.finished == run.M:
+    def collective_done(self, ci: int, devices: np.ndarray, t: float, complete: bool) -> None:
+        self.devices.collective_done(ci, devices, t)
+        if complete:
             self.colls_finished += 1
 
     def _make_run(self, c: int) -> CollectiveRun:
@@ -192,17 +192,16 @@ class Simulation:
             return CollectiveRun(self, c, index, prim, axes, nbytes, "none", groups, [])
         choice, sched = built
         assert tuple(groups.chips[0].tolist()) == tuple(choice.chips), (axes, choice.chips)
-        key = (axes, id(sched))
-        hit = self._plans.get(key)
-        if hit is None:
-            hit = self._plans[key] = (sched, step_plans(sched, groups, self.router))
-        return CollectiveRun(self, c, index, prim, axes, nbytes, sched.algorithm, groups, hit[1])
+        key = (prim, axes, nbytes, dtype)
+        plans = self._plans.get(key)
+        if plans is None:
+            plans = self._plans[key] = step_plans(sched, groups, self.router)
+        return CollectiveRun(self, c, index, prim, axes, nbytes, sched.algorithm, groups, plans)
 
     # -- running ------------------------------------------------------------------------------------
     def run(self) -> DesReport:
         t0 = time.perf_counter()
-        for f in np.unique(self.factor).tolist():
-            self.spawn(np.flatnonzero(self.factor == f), f, 0)
+        self.devices.start(self.factor)
         C = len(self.comm)
         bar = Progress(C, "DES", self.options.progress)
         env = self.env
@@ -258,7 +257,7 @@ class Simulation:
             mean_link_utilization=float(util[used].mean()) if used.any() else 0.0,
             max_link_utilization=float(util.max()) if len(util) else 0.0,
             links_used=int(used.sum()), num_links=len(bw), events=self.events, wall_s=self.wall_s,
-            flows=int(net.flows), walkers=self.walkers, classes=self.max_live, options=self.options.to_json(),
+            flows=int(net.flows), walkers=self.devices.walkers, classes=self.devices.max_live, options=self.options.to_json(),
             faults=tuple(self.router.describe_faults()), rerouted_routes=len(self.router.rerouted),
             collectives=tuple(rows), top_links=links, link_utilization=tuple(util.tolist()))
 
@@ -271,21 +270,20 @@ class Simulation:
 def simulate_des(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
                  overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
                  slice_dims: tuple[int, ...] | None = None, options: DesOptions | None = None,
-                 trace_path: str | None = None, **kw: Any) -> DesReport:
+                 trace_path: str | None = None, analyzer: Analyzer | None = None, **kw: Any) -> DesReport:
     """Simulate one step of ``spmd`` on ``spec`` hardware; same arguments as ``analytical.simulate``
     plus :class:`DesOptions` (or its fields as keywords). ``trace_path`` writes a Perfetto trace."""
-    spec = load_spec(spec)
+    analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
+    spec = analyzer.spec(spec)
     if options is None:
         options = DesOptions(**kw)
     elif kw:
         raise DesError(f"pass DES options either as options= or as keywords, not both ({', '.join(kw)})")
     if trace_path is not None and not options.trace:
         options = DesOptions(**{**options.__dict__, "trace": True})
-    if not isinstance(placement, Placement):
-        placement = place(spmd.mesh, spec, placement, slice_dims)
-    sim = Simulation(spmd, spec, placement, overlap, algorithms, options)
+    placement = analyzer.placement(spmd.mesh, spec, placement, slice_dims)
+    sim = Simulation(spmd, spec, placement, overlap, algorithms, options, analyzer)
     rep = sim.run()
     if trace_path is not None:
-        from partir_emu.hwmodels.des.trace_export import write_chrome_trace
         write_chrome_trace(sim.chrome_trace(), trace_path)
     return rep

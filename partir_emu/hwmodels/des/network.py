@@ -28,15 +28,13 @@ links: chunks of 64 KiB to 4 MiB agree with the flow model within 0.1 % and take
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import simpy
 
+from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
 from partir_emu.hwmodels.des.routing import RoutePattern, Router
-
-Delivered = Callable[[np.ndarray | None, float], None]
 
 
 def max_min_rates(links: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +80,7 @@ class _Batch:
     __slots__ = ("route", "key", "n", "on_delivered", "owner")
 
     def __init__(self, route: RoutePattern, idx: np.ndarray | None, n: int, on_delivered: Delivered,
-                 owner: Any) -> None:
+                 owner: ContentionSink | None) -> None:
         self.route = route
         self.key = (route.id, None if idx is None else idx.tobytes())
         self.n = n                        # flows still in flight
@@ -126,7 +124,7 @@ class FlowNetwork:
 
     # -- API ------------------------------------------------------------------------------------
     def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
-             owner: Any = None) -> None:
+             owner: ContentionSink | None = None) -> None:
         """Start flows ``idx`` of ``route`` (all when ``None``) now, ``nbytes[k]`` bytes for the k-th.
         ``on_delivered(flow ids or None for all, time)`` is called as they arrive (maybe in parts)."""
         links = route.links if idx is None else route.links[idx]

@@ -1,20 +1,15 @@
 """Replay an MPI message trace on the DES, and check it against the schedules.
 
 The MPI emulator (``partir-emu run --backend mpi --trace-messages FILE``) writes
-every transfer it made as JSON lines (format owned by
-:mod:`partir_emu.runtime.worker`): a header
-``{"format": "partir-emu-message-trace", "version": 1, "mesh": [[axis, size], ...],
-"algorithm": ..., "collectives": {"<eqn>": {"prim", "axes", "bytes"}}, ...}`` then
-one line per transfer ``{"coll": eqn, "step": s, "src": device, "dst": device,
-"bytes": n}`` (``"nbytes"`` is accepted too).
+every transfer it made; the file format, its writer and its reader are
+:mod:`partir_emu.core.msgtrace` (a header naming each collective's prim, axes,
+bytes and element size, then one JSON line per transfer).
 
 - :func:`check_trace` rebuilds, for every collective of the header, the schedule
-  the MPI executor runs (``build_schedule(prim, axis sizes, bytes, algorithm)``
-  over every group ``mesh.groups(axes)``) and compares transfer by transfer: counts
-  and bytes per collective and per step must be equal. The element size is taken
-  from the header (``"itemsize"`` per collective) when present, else the one of
-  4, 2, 8, 1 bytes whose schedule the trace matches (it matters only when the
-  buffer does not split evenly).
+  the MPI executor runs (``build_schedule(prim, axis sizes, bytes, algorithm,
+  itemsize)`` over every group ``mesh.groups(axes)``) and compares transfer by
+  transfer: counts and bytes per collective and per step must be equal. The
+  element size is the header's (recorded by the writer, never guessed).
 - :func:`replay` runs the recorded transfers on the modelled hardware: each
   collective's steps with the DES's per-member ``sendrecv`` dependencies, the
   collectives one after the other per device (one communication stream), every
@@ -23,8 +18,7 @@ one line per transfer ``{"coll": eqn, "step": s, "src": device, "dst": device,
 """
 from __future__ import annotations
 
-import json
-import os
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,7 +29,9 @@ import simpy
 
 from partir_emu.collectives.algorithms import build_schedule
 from partir_emu.core.mesh import Mesh
-from partir_emu.errors import ArtifactError
+from partir_emu.core.msgtrace import check_header
+from partir_emu.errors import ArtifactError, CollectiveError
+from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, build_plan
 from partir_emu.hwmodels.des.model import DesOptions
 from partir_emu.hwmodels.des.network import FlowNetwork
@@ -43,59 +39,24 @@ from partir_emu.hwmodels.des.routing import Router, link_factors
 from partir_emu.hwmodels.placement import Placement, place
 from partir_emu.hwmodels.specs import HardwareSpec, load_spec
 
-TRACE_FORMAT = "partir-emu-message-trace"
-ITEMSIZES = (4, 2, 8, 1)
-
-
-def read_message_trace(path: str | os.PathLike) -> tuple[dict[str, Any], np.ndarray]:
-    """``(header, rows)``; rows are int64 ``[coll, step, src, dst, bytes]``."""
-    try:
-        with open(path) as f:
-            first = f.readline()
-            try:
-                head = json.loads(first)
-            except json.JSONDecodeError as exc:
-                raise ArtifactError(f"{path}: line 1 is not JSON ({exc}); expected the message-trace header") from None
-            if not isinstance(head, dict) or head.get("format") != TRACE_FORMAT:
-                raise ArtifactError(f"{path}: not a partir-emu message trace (line 1 has no "
-                                    f"\"format\": \"{TRACE_FORMAT}\"); write one with "
-                                    f"`partir-emu run --backend mpi --trace-messages FILE`")
-            rows = []
-            for i, line in enumerate(f, start=2):
-                if not line.strip():
-                    continue
-                try:
-                    d = json.loads(line)
-                    rows.append((d["coll"], d["step"], d["src"], d["dst"], d["bytes"] if "bytes" in d else d["nbytes"]))
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ArtifactError(f"{path}: line {i} is not a transfer {{coll, step, src, dst, bytes}} "
-                                        f"({type(exc).__name__}: {exc})") from None
-    except OSError as exc:
-        raise ArtifactError(f"cannot read message trace {path}: {exc.strerror}") from None
-    for key in ("mesh", "algorithm", "collectives"):
-        if key not in head:
-            raise ArtifactError(f"{path}: the header has no {key!r}")
-    return head, np.array(rows, dtype=np.int64).reshape(-1, 5)
-
-
-def write_message_trace(path: str | os.PathLike, head: Mapping[str, Any], rows: np.ndarray) -> None:
-    """Write ``(header, rows)`` in the same format (tests and tools)."""
-    with open(path, "w") as f:
-        f.write(json.dumps(dict(head), separators=(",", ":")) + "\n")
-        f.writelines(f'{{"coll":{c},"step":{s},"src":{a},"dst":{b},"bytes":{n}}}\n' for c, s, a, b, n in rows.tolist())
-
 
 # -- what the schedules predict ------------------------------------------------------------------------
-def expected_rows(head: Mapping[str, Any], coll: int, itemsize: int) -> np.ndarray:
-    """The transfers the MPI executor makes for collective ``coll`` of the header."""
+def expected_rows(head: Mapping[str, Any], coll: int, itemsize: int | None = None) -> np.ndarray:
+    """The transfers the MPI executor makes for collective ``coll`` of the header (with the
+    header's element size unless ``itemsize`` is given)."""
     mesh = Mesh.from_json(head["mesh"])
     c = head["collectives"][str(coll)]
     axes = tuple(c["axes"])
     shape = tuple(mesh.axis_size(a) for a in axes)
     if int(np.prod(shape)) == 1 or int(c["bytes"]) == 0:
         return np.zeros((0, 5), dtype=np.int64)
-    sched = build_schedule(c["prim"], shape, int(c["bytes"]), head["algorithm"], itemsize=itemsize,
-                           devices_per_node=head.get("devices_per_node"))
+    try:
+        sched = build_schedule(c["prim"], shape, int(c["bytes"]), head["algorithm"],
+                               itemsize=int(c["itemsize"]) if itemsize is None else itemsize,
+                               devices_per_node=head.get("devices_per_node"))
+    except CollectiveError as exc:
+        raise ArtifactError(f"message trace: collective {coll} of the header ({c['prim']} over {list(axes)}, "
+                            f"{c['bytes']} B) has no schedule: {exc}") from None
     out = []
     for g in mesh.groups(axes):
         for s, step in enumerate(sched.steps):
@@ -149,6 +110,7 @@ class TraceCheck:
 
 def check_trace(head: Mapping[str, Any], rows: np.ndarray) -> TraceCheck:
     """Compare the traced transfers with what the schedules predict, collective by collective."""
+    check_header(head, "the message-trace header")
     algorithm = head["algorithm"]
     if algorithm == "native":
         return TraceCheck(algorithm, (), "native MPI collectives move data inside the library: no transfers "
@@ -170,28 +132,14 @@ def check_trace(head: Mapping[str, Any], rows: np.ndarray) -> TraceCheck:
         c = head["collectives"][str(coll)]
         got = by_coll.get(coll, np.zeros((0, 5), dtype=np.int64))
         got_key = Counter(map(tuple, got[:, 1:].tolist()))
-        sizes = [int(c["itemsize"])] if "itemsize" in c else list(ITEMSIZES)
-        best = None
-        for isz in sizes:
-            try:
-                exp = expected_rows(head, coll, isz)
-            except Exception:          # noqa: BLE001 - an itemsize the buffer cannot have
-                continue
-            equal = Counter(map(tuple, exp[:, 1:].tolist())) == got_key
-            if best is None or equal:
-                best = (isz, exp, equal)
-            if equal:
-                break
-        if best is None:
-            checks.append(CollCheck(coll, c["prim"], tuple(c["axes"]), 0, 0, len(got), 0, int(got[:, 4].sum()),
-                                    False, "no schedule can be built for this collective"))
-            continue
-        isz, exp, equal = best
+        isz = int(c["itemsize"])
+        exp = expected_rows(head, coll, isz)
+        exp_key = Counter(map(tuple, exp[:, 1:].tolist()))
+        equal = exp_key == got_key
         diff = ""
         if not equal:
-            e = Counter(map(tuple, exp[:, 1:].tolist()))
-            missing = e - got_key
-            unexpected = got_key - e
+            missing = exp_key - got_key
+            unexpected = got_key - exp_key
             if missing:
                 s, a, b, n = next(iter(missing))
                 diff = f"step {s}: {a}->{b} {n} B expected, not traced"
@@ -249,18 +197,18 @@ class ReplayReport:
 
 
 class _Replay:
-    """The few things a CollectiveRun needs from its simulation: env, network, options, and where to
-    report that members finished (the next collective starts for them)."""
+    """The :class:`~.protocols.CollectiveHost` of a replay: the collectives run one after the other
+    on each device (when collective ``ci`` finishes on a device, ``ci + 1`` starts there)."""
 
-    def __init__(self, env: simpy.Environment, network: FlowNetwork, options: DesOptions) -> None:
+    def __init__(self, env: simpy.Environment, network: FlowNetwork, options: DesOptions, num_devices: int) -> None:
         self.env = env
         self.network = network
-        self.options = options
+        self.message_overhead_s = options.message_overhead_s
         self.runs: list[CollectiveRun] = []
-        self.end = None
+        self.end = np.zeros(num_devices)
 
-    def collective_done(self, run: CollectiveRun, devices: np.ndarray, t: float) -> None:
-        nxt = run.ci + 1
+    def collective_done(self, ci: int, devices: np.ndarray, t: float, complete: bool) -> None:
+        nxt = ci + 1
         if nxt < len(self.runs):
             self.runs[nxt].start(devices, t)
         else:
@@ -271,10 +219,6 @@ def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
            placement: Placement | str | Mapping | None = None, slice_dims: tuple[int, ...] | None = None,
            options: DesOptions | None = None) -> ReplayReport:
     """Run the traced transfers on ``spec`` hardware (see the module docstring)."""
-    import time
-
-    from partir_emu.hwmodels.comm import CommModel
-
     t0 = time.perf_counter()
     spec = load_spec(spec)
     options = options or DesOptions()
@@ -289,7 +233,7 @@ def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
     router = Router(placement.topology, link_factors(placement.topology, options.degraded_links,
                                                      options.failed_links))
     network = FlowNetwork(env, router)
-    sim = _Replay(env, network, options)
+    sim = _Replay(env, network, options, n)
     chips = np.array([placement.chip_of(d) for d in range(n)], dtype=np.int64)
     groups = Groups(("replay",), np.arange(n, dtype=np.int64)[None, :], chips[None, :], np.arange(n, dtype=np.int64))
     colls = sorted(set(rows[:, 0].tolist())) if len(rows) else []
@@ -314,7 +258,6 @@ def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
                                       head["algorithm"], groups, plans))
         if meta["prim"] != "?" and head["algorithm"] != "native":
             ana += model.cost(meta["prim"], tuple(meta["axes"]), int(meta["bytes"])).time_s
-    sim.end = np.zeros(n)
     if sim.runs:
         sim.runs[0].start(np.arange(n, dtype=np.int64), 0.0)
     events = 0

@@ -1,38 +1,34 @@
-"""Analytical vs DES on a suite of (scenario, strategy, hardware, mesh, placement) cases.
+"""Analytical model vs DES on given SpmdPrograms: per-case errors, statistics, rankings, tables, plots.
 
-``run_suite(cases)`` lowers each program once (cached per scenario, size, strategy and
-mesh, in memory and optionally on disk), prices it with ``analytical.simulate`` and
-runs it through ``simulate_des`` on the same placement, then reports per case the
-predicted and simulated step times and ``rel_err = |analytical - DES| / DES``,
-the error statistics, and the ranking of strategies per (model, hardware, devices)
-under each model. Where the analytical model is optimistic (DES slower) the case
-says why, from the DES's per-collective contention records: concurrent groups of
-one collective sharing a link, other collectives' flows on it, or members running
-ahead of each other inside a collective.
+:func:`compare` prices one lowered program with ``analytical.simulate`` and runs it through
+``simulate_des`` on the same placement, and reports the predicted and simulated step times
+and ``rel_err = |analytical - DES| / DES``. Where the analytical model is optimistic (DES
+slower), :func:`explain` says why, from the DES's per-collective contention records:
+concurrent groups of one collective sharing a link, other collectives' flows on it, or
+members running ahead of each other inside a collective. :class:`ValidationReport` gathers
+the results: error statistics, the ranking of strategies per (model, hardware, devices)
+under each model, a table and a scatter plot.
 
-The default suite (>= 20 cases, 8 to 2048 chips, TPU v4 and H100, MLP and
-transformer strategies) runs in well under a CI minute budget; its acceptance
-thresholds are :data:`MEDIAN_MAX` and :data:`MAX_MAX` with identical rankings.
+A :class:`Case` only *names* what was compared (scenario, strategy, hardware, mesh, ...);
+building the programs from scenarios, and the suites of cases, live in the app layer
+(:mod:`partir_emu.app.validate_cases`). The acceptance thresholds are :data:`MEDIAN_MAX`
+and :data:`MAX_MAX` with identical rankings.
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from partir_emu.errors import PartirError
+from partir_emu.core.spmd import SpmdProgram
+from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer, SimReport
+from partir_emu.hwmodels.des.model import simulate_des
+from partir_emu.hwmodels.des.report import DesReport
 
 MEDIAN_MAX = 0.05
 MAX_MAX = 0.15
-
-
-class ValidationError(PartirError):
-    """An unknown suite or an unusable case."""
 
 
 @dataclass(frozen=True)
@@ -69,93 +65,6 @@ class Case:
         return n
 
 
-def _c(scenario: str, strategy: str, hardware: str, mesh: str, **kw: Any) -> Case:
-    if scenario == "mlp":
-        kw.setdefault("preset", "full")
-        kw.setdefault("overrides", "layers=2")
-    else:
-        kw.setdefault("preset", "t32")
-        kw.setdefault("overrides", "layers=2")
-    return Case(scenario, strategy, hardware, mesh, **kw)
-
-
-SUITES: dict[str, tuple[Case, ...]] = {
-    "default": (
-        # TPU v4 (3D torus; 8 and 64 chips without / with wraparound, 256 and 2048 chips)
-        _c("mlp", "bp", "tpu-v4", "batch=8"),
-        _c("mlp", "mp", "tpu-v4", "model=8"),
-        _c("mlp", "bp+mp", "tpu-v4", "batch=2,model=4"),
-        _c("mlp", "z3", "tpu-v4", "batch=8"),
-        _c("mlp", "bp", "tpu-v4", "batch=64"),
-        _c("mlp", "bp+mp", "tpu-v4", "batch=16,model=4"),
-        _c("mlp", "bp+mp", "tpu-v4", "batch=8,model=8"),      # batch strided over y: its groups share links
-        _c("mlp", "z3", "tpu-v4", "batch=64"),
-        _c("transformer", "bp", "tpu-v4", "batch=256"),
-        _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4"),
-        _c("transformer", "bp+mp+z3", "tpu-v4", "batch=64,model=4"),
-        _c("transformer", "bp+mp", "tpu-v4", "batch=16,model=16"),
-        _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4", placement="model=x,batch=yz"),
-        _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4", overlap=True),
-        _c("transformer", "bp+mp", "tpu-v4", "batch=128,model=16"),
-        _c("transformer", "bp+mp+z3", "tpu-v4", "batch=128,model=16"),
-        # H100 (NVSwitch nodes, InfiniBand fat tree)
-        _c("mlp", "bp", "h100", "batch=8"),
-        _c("mlp", "mp", "h100", "model=8"),
-        _c("mlp", "bp+mp", "h100", "batch=2,model=4"),
-        _c("mlp", "bp", "h100", "batch=64"),
-        _c("mlp", "bp+mp", "h100", "batch=8,model=8"),
-        _c("mlp", "z3", "h100", "batch=64"),
-        _c("transformer", "bp", "h100", "batch=64"),
-        _c("transformer", "bp+mp", "h100", "batch=8,model=8"),
-        _c("transformer", "bp+mp+z3", "h100", "batch=8,model=8"),
-        _c("transformer", "bp+mp", "h100", "batch=8,model=8", overlap=True),
-        _c("transformer", "bp+mp", "h100", "batch=64,model=8"),
-        _c("transformer", "bp+mp+z3", "h100", "batch=64,model=8"),
-    ),
-}
-SUITES["quick"] = tuple(c for c in SUITES["default"] if c.devices <= 64 and c.scenario == "mlp")
-
-
-def get_suite(name: str) -> tuple[Case, ...]:
-    if name not in SUITES:
-        raise ValidationError(f"unknown validation suite {name!r}; suites: {', '.join(sorted(SUITES))}")
-    return SUITES[name]
-
-
-# -- lowering (the only step that needs the compiler, imported lazily) ---------------------------------
-class ProgramCache:
-    """Lowered SpmdPrograms per (scenario, preset, overrides, strategy, mesh); on disk too if ``directory``."""
-
-    def __init__(self, directory: str | os.PathLike | None = None) -> None:
-        self.directory = Path(directory) if directory else None
-        self._mem: dict[tuple, Any] = {}
-        self.lower_s = 0.0
-
-    def get(self, case: Case):
-        key = (case.scenario, case.preset, case.overrides, case.strategy, case.mesh)
-        hit = self._mem.get(key)
-        if hit is not None:
-            return hit
-        from partir_emu.core.spmd import SpmdProgram
-        path = None
-        if self.directory is not None:
-            name = "_".join(str(k).replace("/", "-").replace(",", "-").replace("=", "") for k in key) + ".json"
-            path = self.directory / name
-            if path.is_file():
-                spmd = self._mem[key] = SpmdProgram.load(path)
-                return spmd
-        t0 = time.perf_counter()
-        from partir_emu.core.mesh import Mesh
-        from partir_emu.experiment import Experiment
-        spmd = Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh), case.preset, case.overrides).lower().spmd
-        self.lower_s += time.perf_counter() - t0
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            spmd.save(path)
-        self._mem[key] = spmd
-        return spmd
-
-
 # -- one case -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CaseResult:
@@ -189,23 +98,20 @@ class CaseResult:
                 "why": self.why, **self.details}
 
 
-def run_case(case: Case, programs: ProgramCache, **des_kw: Any) -> CaseResult:
-    from partir_emu.hwmodels.analytical import simulate
-    from partir_emu.hwmodels.des.model import simulate_des
-    from partir_emu.hwmodels.placement import place
-    from partir_emu.hwmodels.specs import load_spec
-
-    spmd = programs.get(case)
-    spec = load_spec(case.hardware)
-    placement = place(spmd.mesh, spec, case.placement)
-    ana = simulate(spmd, spec, placement, overlap=case.overlap)
-    des = simulate_des(spmd, spec, placement, case.overlap, **des_kw)
+def compare(case: Case, spmd: SpmdProgram, analyzer: Analyzer | None = None, **des_kw: Any) -> CaseResult:
+    """Price ``spmd`` (the program ``case`` names) with both models on the case's hardware and placement;
+    ``analyzer`` (default ``DEFAULT_ANALYZER``) is shared by both, so the program is analysed once."""
+    analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
+    spec = analyzer.spec(case.hardware)
+    placement = analyzer.placement(spmd.mesh, spec, case.placement)
+    ana = analyzer.simulate(spmd, spec, placement, overlap=case.overlap)
+    des = simulate_des(spmd, spec, placement, case.overlap, analyzer=analyzer, **des_kw)
     why, details = explain(ana, des)
     details["placement_described"] = placement.describe()
     return CaseResult(case, ana.step_s, des.step_s, ana.compute_s, ana.comm_s, des.wall_s, des.events, why, details)
 
 
-def explain(ana, des, threshold: float = 0.005) -> tuple[str, dict[str, Any]]:
+def explain(ana: SimReport, des: DesReport, threshold: float = 0.005) -> tuple[str, dict[str, Any]]:
     """Why the DES is slower than the analytical model (empty when it is not, by more than ``threshold``):
     the collectives that take longer in the DES, grouped by cause, largest excess first."""
     if des.step_s <= ana.step_s * (1 + threshold):
@@ -342,11 +248,10 @@ class ValidationReport:
 
     def plot(self, path: str | os.PathLike) -> None:
         """Scatter of predicted vs simulated step time (log-log) with the 5% and 15% bands."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # why: a heavy import (~0.3 s), needed only to draw
 
-        fig, ax = plt.subplots(figsize=(6.4, 6.0))
+        fig = Figure(figsize=(6.4, 6.0))
+        ax = fig.subplots()
         colors = {"tpu-v4": "tab:blue", "h100": "tab:green"}
         markers = {"mlp": "o", "transformer": "s"}
         xs = [r.des_s * 1e3 for r in self.results] + [r.analytical_s * 1e3 for r in self.results]
@@ -373,41 +278,9 @@ class ValidationReport:
         ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
-
-
-def run_suite(cases: Sequence[Case] | str = "default", *, cache_dir: str | os.PathLike | None = None,
-              on_case: Callable[[int, int, CaseResult], None] | None = None, **des_kw: Any) -> ValidationReport:
-    """Run every case; ``on_case(i, n, result)`` after each (for progress)."""
-    name = cases if isinstance(cases, str) else "custom"
-    cases = get_suite(cases) if isinstance(cases, str) else tuple(cases)
-    programs = ProgramCache(cache_dir)
-    t0 = time.perf_counter()
-    results = []
-    for i, case in enumerate(cases):
-        r = run_case(case, programs, **des_kw)
-        results.append(r)
-        if on_case is not None:
-            on_case(i, len(cases), r)
-    return ValidationReport(name, tuple(results), time.perf_counter() - t0, programs.lower_s)
-
-
-def parse_cases(lines: Iterable[str]) -> list[Case]:
-    """Cases from JSON lines (``{"scenario": ..., "strategy": ..., "hardware": ..., "mesh": ..., ...}``)."""
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        try:
-            out.append(Case(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise ValidationError(f"case line {i + 1}: {exc}; write one JSON object per line with scenario, "
-                                  f"strategy, hardware, mesh (and optional preset, overrides, placement, overlap)"
-                                  ) from None
-    return out
 
 
 def _ms(s: float) -> str:

@@ -1,45 +1,62 @@
 """``partir-emu simulate-des``, ``partir-emu validate`` and ``partir-emu replay``.
 
-Registered by :func:`partir_emu.cli._register_extras` through :func:`add_subcommands`.
-Imports neither jax nor the compiler at module level: lowering happens inside the
-command functions (abstract tracing, no arrays).
+:func:`add_subcommands` registers them on the ``partir-emu`` parser (:mod:`partir_emu.app.cli`).
+Nothing here imports jax: lowering goes through ``Experiment.lower`` (abstract tracing,
+no arrays), which imports the compiler only when called.
 """
 from __future__ import annotations
 
+import argparse
+import math
 import sys
+import time
+from typing import Any
 
+from partir_emu.app import checks
+from partir_emu.app.atomic import atomic_path
+from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
+from partir_emu.app.phases import Phases
+from partir_emu.app.simulate_cli import parse_algorithms, parse_slice
+from partir_emu.app.validate_cases import get_suite, read_cases, run_suite
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.msgtrace import read_message_trace
 from partir_emu.errors import PartirError
+from partir_emu.hwmodels.analytical import simulate
+from partir_emu.hwmodels.des.model import DesOptions, simulate_des
+from partir_emu.hwmodels.des.replay import replay
+from partir_emu.hwmodels.placement import place
+from partir_emu.hwmodels.specs import load_spec
 
 
 class DesArgumentError(PartirError):
     """A bad ``simulate-des`` / ``validate`` / ``replay`` command-line value."""
 
 
-def add_subcommands(sub) -> None:
-    from partir_emu.cli import _add_common
-
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate-des", help="simulate one step with the discrete-event model (links, contention)")
-    _add_common(p)
+    add_experiment_args(p)
     _hardware_args(p)
     p.add_argument("--overlap", action="store_true", help="overlap compute and communication (as simulate)")
     p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",
                    help="collective algorithm(s), as for `simulate` (default: as the runtime would choose)")
     p.add_argument("--network", choices=("flow", "chunk"), default="flow",
                    help="flow: max-min fair flows (default); chunk: store-and-forward chunks")
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="chunk size for --network chunk")
-    p.add_argument("--comm-streams", type=int, default=1,
+    p.add_argument("--chunk-bytes", type=checks.positive_int, default=1 << 20, help="chunk size for --network chunk")
+    p.add_argument("--comm-streams", type=checks.positive_int, default=1,
                    help="collectives a device runs at once (default 1, as the analytical overlap model)")
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR",
                    help="device DEVICE computes FACTOR times slower (repeatable)")
-    p.add_argument("--message-overhead", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--message-overhead", type=checks.nonnegative_seconds, default=0.0, metavar="SECONDS",
                    help="a sender posts the messages of a step one after another, this long each")
-    p.add_argument("--merge-window", type=float, default=50e-6, metavar="SECONDS",
+    p.add_argument("--merge-window", type=checks.nonnegative_seconds, default=50e-6, metavar="SECONDS",
                    help="devices finishing a collective this close together resume together (0 = exact)")
     p.add_argument("--no-symmetry", action="store_true", help="simulate every device as its own process")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--trace-devices", type=int, default=8, help="devices in the trace (default %(default)s)")
+    p.add_argument("--trace-devices", type=checks.positive_int, default=8,
+                   help="devices in the trace (default %(default)s)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
-    p.add_argument("--top", type=int, default=10, help="links and collectives to list (default %(default)s)")
+    p.add_argument("--top", type=checks.positive_int, default=10,
+                   help="links and collectives to list (default %(default)s)")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.set_defaults(fn=cmd_simulate_des)
 
@@ -53,6 +70,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--cache", default=None, metavar="DIR", help="keep lowered programs here between runs")
     p.add_argument("--progress", action="store_true", help="print each case as it finishes (always on a tty)")
     p.add_argument("--no-check", action="store_true", help="exit 0 even if the thresholds are not met")
+    p.add_argument("--quiet", action="store_true", help="no per-case progress lines, even on a terminal")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("replay", help="replay an MPI message trace on a hardware model and check it")
@@ -62,7 +80,7 @@ def add_subcommands(sub) -> None:
     p.set_defaults(fn=cmd_replay)
 
 
-def _hardware_args(p) -> None:
+def _hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="tpu-v4", help="spec name or .toml path (default %(default)s)")
     p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...", help="e.g. model=x,batch=yz")
     p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC", help="TPU slice shape")
@@ -77,7 +95,7 @@ def _pairs(items: list[str], what: str, key_int: bool) -> dict:
     for item in items:
         k, sep, v = item.rpartition(":")
         try:
-            if not sep:
+            if not sep or not math.isfinite(float(v)):
                 raise ValueError
             out[int(k) if key_int else k] = float(v)
         except ValueError:
@@ -86,45 +104,44 @@ def _pairs(items: list[str], what: str, key_int: bool) -> dict:
     return out
 
 
-def _options(args, **kw):
-    from partir_emu.hwmodels.des.model import DesOptions
+def _check_paths(args: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        checks.check_output_path(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
+
+
+def _options(args: argparse.Namespace, **kw: Any) -> DesOptions:
     return DesOptions(degraded_links=_pairs(args.degrade_link, "--degrade-link", False),
                       failed_links=tuple(args.fail_link), **kw)
 
 
 # -- simulate-des -----------------------------------------------------------------------------------------
-def cmd_simulate_des(args) -> int:
-    import time
-
-    from partir_emu.cli import _experiment, _write_report
-    from partir_emu.hwmodels.analytical import simulate
-    from partir_emu.hwmodels.cli import parse_algorithms, parse_slice
-    from partir_emu.hwmodels.des.model import simulate_des
-    from partir_emu.hwmodels.placement import place
-    from partir_emu.hwmodels.specs import load_spec
-
+def cmd_simulate_des(args: argparse.Namespace) -> int:
+    _check_paths(args, "--report", "--trace")
     spec = load_spec(args.hardware)
     algorithms = parse_algorithms(args.algorithm)
     options = _options(args, network=args.network, chunk_bytes=args.chunk_bytes, comm_streams=args.comm_streams,
                        stragglers=_pairs(args.straggler, "--straggler", True),
                        message_overhead_s=args.message_overhead, merge_window_s=args.merge_window,
                        symmetry=not args.no_symmetry, trace=args.trace is not None,
-                       trace_devices=args.trace_devices, progress=True if args.progress else None,
-                       top_links=max(args.top, 1))
-    exp = _experiment(args)
+                       trace_devices=args.trace_devices, top_links=args.top,
+                       progress=True if args.progress else (False if args.quiet else None))
+    exp = experiment_from_args(args)
+    checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, "simulate-des")
+    checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
     placement = place(exp.mesh, spec, args.placement, parse_slice(args.slice_dims))
-    t0 = time.perf_counter()
-    spmd = exp.lower().spmd
-    lower_s = time.perf_counter() - t0
+    with Phases("simulate-des", quiet=args.quiet) as phases:    # the DES then shows its own progress bar
+        phases.phase("lowering")
+        t0 = time.perf_counter()
+        spmd = exp.lower().spmd
+        lower_s = time.perf_counter() - t0
     ana = simulate(spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
-    des = simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options,
-                       trace_path=args.trace)
+    des = _des_with_trace(spmd, spec, placement, args, algorithms, options)
     err = (ana.step_s - des.step_s) / des.step_s if des.step_s > 0 else 0.0
     rep = {"scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg, "mesh": dict(exp.mesh.axes),
            "devices": exp.mesh.size, "hardware": spec.name, "lower_s": lower_s,
            "analytical_s": ana.step_s, "des_s": des.step_s, "rel_err": abs(err), "signed_err": err}
     rep.update(des.to_json(link_utilization=True))
-    _write_report(rep, args.report)
+    write_report(rep, args.report)
     print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}")
     print(des.table(top=args.top))
     print(f"\nanalytical: {ana.step_s * 1e3:.4f} ms   DES: {des.step_s * 1e3:.4f} ms   "
@@ -135,22 +152,28 @@ def cmd_simulate_des(args) -> int:
     return 0
 
 
-# -- validate -------------------------------------------------------------------------------------------------
-def cmd_validate(args) -> int:
-    from partir_emu.cli import _write_report
-    from partir_emu.hwmodels.des.validate import get_suite, parse_cases, run_suite
+def _des_with_trace(spmd: Any, spec: Any, placement: Any, args: argparse.Namespace, algorithms: Any,
+                    options: DesOptions) -> Any:
+    """simulate_des, its Perfetto trace (if asked for) written atomically."""
+    if not args.trace:
+        return simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options)
+    with atomic_path(args.trace) as tmp:
+        return simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options,
+                            trace_path=tmp)
 
-    if args.cases:
-        try:
-            with open(args.cases) as f:
-                cases = parse_cases(f)
-        except OSError as exc:
-            raise DesArgumentError(f"--cases {args.cases}: {exc.strerror}") from None
+
+# -- validate -------------------------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    _check_paths(args, "--report", "--plot")
+    checks.check_cache_dir(args.cache, "--cache")
+    if args.cases is not None:
+        checks.check_input_file(args.cases, "--cases")
+        cases = read_cases(args.cases)
         name = args.cases
     else:
         cases = get_suite(args.suite)
         name = args.suite
-    show = args.progress or sys.stderr.isatty()
+    show = args.progress or (sys.stderr.isatty() and not args.quiet)
 
     def on_case(i: int, n: int, r) -> None:
         if show:
@@ -161,9 +184,10 @@ def cmd_validate(args) -> int:
     rep = run_suite(cases, cache_dir=args.cache, on_case=on_case)
     rep = type(rep)(name, rep.results, rep.wall_s, rep.lower_s)
     print(rep.table())
-    _write_report(rep.to_json(), args.report)
+    write_report(rep.to_json(), args.report)
     if args.plot:
-        rep.plot(args.plot)
+        with atomic_path(args.plot) as tmp:
+            rep.plot(tmp)
     for path in (args.report, args.plot):
         if path:
             print(f"wrote {path}")
@@ -171,15 +195,16 @@ def cmd_validate(args) -> int:
 
 
 # -- replay ---------------------------------------------------------------------------------------------------
-def cmd_replay(args) -> int:
-    from partir_emu.cli import _write_report
-    from partir_emu.hwmodels.cli import parse_slice
-    from partir_emu.hwmodels.des.replay import read_message_trace, replay
-
+def cmd_replay(args: argparse.Namespace) -> int:
+    _check_paths(args, "--report")
+    checks.check_input_file(args.trace, "trace")
     head, rows = read_message_trace(args.trace)
-    rep = replay(head, rows, args.hardware, args.placement, parse_slice(args.slice_dims), _options(args))
+    mesh, spec = Mesh.from_json(head["mesh"]), load_spec(args.hardware)
+    checks.check_mesh_size(mesh, checks.MAX_SIMULATE_DEVICES, "replay", what=f"the mesh of {args.trace}")
+    checks.check_fits_hardware(mesh, spec.network.max_chips, spec.name, what=f"the mesh of {args.trace}")
+    rep = replay(head, rows, spec, args.placement, parse_slice(args.slice_dims), _options(args))
     print(rep.table())
-    _write_report(rep.to_json(), args.report)
+    write_report(rep.to_json(), args.report)
     if args.report:
         print(f"wrote {args.report}")
     return 0 if rep.check.ok else 1

@@ -1,23 +1,32 @@
 """``partir-emu simulate`` and ``partir-emu hardware``: the analytical model from the command line.
 
-Registered by :func:`partir_emu.cli._register_extras` through :func:`add_subcommands`.
-Imports neither jax nor the compiler at module level: ``simulate`` lowers the
-scenario (abstract tracing, no arrays) inside the command function, and
+:func:`add_subcommands` registers both on the ``partir-emu`` parser (:mod:`partir_emu.app.cli`).
+Nothing here imports jax: ``simulate`` lowers the scenario through ``Experiment.lower``
+(abstract tracing, no arrays), which imports the compiler only when called, and
 ``hardware`` only reads spec files.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
 
+from partir_emu.app import checks
+from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
+from partir_emu.app.exits import one_line
+from partir_emu.app.phases import Phases
+from partir_emu.collectives.algorithms import ALGORITHMS
+from partir_emu.core.spmd import COMM_PRIMS
 from partir_emu.errors import PartirError, UsageError
+from partir_emu.hwmodels.analytical import SimReport, simulate
+from partir_emu.hwmodels.placement import place
+from partir_emu.hwmodels.specs import HardwareSpec, TorusSpec, list_specs, load_spec
 
 
-def add_subcommands(sub) -> None:
-    from partir_emu.cli import _add_common
-
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="predict step time and per-device memory on a hardware spec (no arrays)")
-    _add_common(p)
+    add_experiment_args(p)
     p.add_argument("--hardware", default="tpu-v4", help="spec name (see `partir-emu hardware`) or a .toml path "
                    "(default %(default)s)")
     p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...",
@@ -31,7 +40,8 @@ def add_subcommands(sub) -> None:
                    help="collective algorithm for every kind (ring, bidir_ring, recursive, torus, hierarchical, "
                         "direct) or per kind, e.g. all_reduce=ring,all_gather=bidir_ring; default: as the runtime "
                         "would choose on the placed topology")
-    p.add_argument("--top", type=int, default=10, help="slowest collectives to list (default %(default)s)")
+    p.add_argument("--top", type=checks.positive_int, default=10,
+                   help="slowest collectives to list (default %(default)s)")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.set_defaults(fn=cmd_simulate)
 
@@ -46,8 +56,6 @@ def parse_algorithms(text: str | None) -> str | dict[str, str] | None:
     """``"ring"`` (every kind) or ``"all_reduce=ring,all_gather=bidir_ring"`` (per kind), validated."""
     if text is None or not text.strip():
         return None
-    from partir_emu.collectives.algorithms import ALGORITHMS
-    from partir_emu.core.spmd import COMM_PRIMS
 
     def check(alg: str) -> str:
         if alg not in ALGORITHMS:
@@ -84,26 +92,25 @@ def parse_slice(text: str | None) -> tuple[int, ...] | None:
     return dims
 
 
-def simulate_experiment(args) -> tuple[dict, object]:
+def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
     """Lower the experiment of ``args`` and simulate it: (JSON report, SimReport)."""
-    import time
-
-    from partir_emu.cli import _experiment
-    from partir_emu.hwmodels.analytical import simulate
-    from partir_emu.hwmodels.placement import place
-    from partir_emu.hwmodels.specs import load_spec
-
-    # cheap checks first: a bad spec, algorithm or slice fails before the (slow) lowering
+    # cheap checks first: a bad path, spec, algorithm, slice or mesh fails before the (slow) lowering
+    checks.check_output_path(getattr(args, "report", None), "--report")
     spec = load_spec(args.hardware)
     algorithms = parse_algorithms(args.algorithm)
     slice_dims = parse_slice(args.slice_dims)
-    exp = _experiment(args)
+    exp = experiment_from_args(args)
+    checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, getattr(args, "cmd", "simulate"))
+    checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
     placement = place(exp.mesh, spec, args.placement, slice_dims)
-    t0 = time.perf_counter()
-    low = exp.lower()
-    t1 = time.perf_counter()
-    sim = simulate(low.spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
-    t2 = time.perf_counter()
+    with Phases(getattr(args, "cmd", "simulate"), quiet=getattr(args, "quiet", False)) as phases:
+        phases.phase("lowering")
+        t0 = time.perf_counter()
+        low = exp.lower()
+        t1 = time.perf_counter()
+        phases.phase("simulating")
+        sim = simulate(low.spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
+        t2 = time.perf_counter()
     rep = sim.to_json()
     rep.update({
         "scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg,
@@ -116,11 +123,9 @@ def simulate_experiment(args) -> tuple[dict, object]:
     return rep, sim
 
 
-def cmd_simulate(args) -> int:
-    from partir_emu.cli import _write_report
-
+def cmd_simulate(args: argparse.Namespace) -> int:
     rep, sim = simulate_experiment(args)
-    _write_report(rep, args.report)
+    write_report(rep, args.report)
     size = ",".join(f"{k}={v}" for k, v in rep["size"].items())
     print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}  "
           f"[{rep['preset']}: {size}; {rep['params']:,} params]")
@@ -133,9 +138,7 @@ def cmd_simulate(args) -> int:
 
 
 # -- hardware -----------------------------------------------------------------------------------------
-def _spec_row(spec) -> dict:
-    from partir_emu.hwmodels.specs import TorusSpec
-
+def _spec_row(spec: HardwareSpec) -> dict:
     net = spec.network
     if isinstance(net, TorusSpec):
         topo = (f"{len(net.pod_dims)}D torus {'x'.join(map(str, net.pod_dims))}"
@@ -154,9 +157,7 @@ def _spec_row(spec) -> dict:
             "path": spec.path}
 
 
-def cmd_hardware(args) -> int:
-    from partir_emu.hwmodels.specs import list_specs, load_spec
-
+def cmd_hardware(args: argparse.Namespace) -> int:
     if args.name is not None:
         spec = load_spec(args.name)
         d = spec.to_json()
@@ -180,7 +181,7 @@ def cmd_hardware(args) -> int:
         try:
             rows.append(_spec_row(load_spec(name)))
         except PartirError as exc:        # one bad user file does not hide the others
-            errors.append(str(exc))
+            errors.append(one_line(exc))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -193,7 +194,7 @@ def cmd_hardware(args) -> int:
         print("link GB/s: one way, per ICI link (TPU) or NVLink per GPU (GPU)")
     if errors:
         for e in errors:
-            print(f"partir-emu hardware: error: {e}", file=sys.stderr)
+            print(f"partir-emu hardware: error: {e} (skipped; the other specs are listed)", file=sys.stderr)
         return 2
     return 0
 

@@ -1,5 +1,9 @@
 """One scenario × strategy × mesh run: build inputs, lower, execute, verify.
 
+Verification (:mod:`partir_emu.app.verdict`) holds the run's outputs against the unpartitioned
+step computed in float64, relative to what the unpartitioned float32 ``jax.jit`` achieves.
+:func:`verify` is the strict elementwise comparison the tests use for exact-ish checks.
+
 Shared by the CLI, the benchmarks and the tests. Lowering traces with
 abstract inputs (nothing allocated), so full-size presets can be lowered for
 simulation. Real inputs are numpy, generated deterministically from the seed,
@@ -8,19 +12,34 @@ make their own copy).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
+import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from partir_emu.api import Lowered, lower_program, trace
+from partir_emu.app.verdict import Verdict, judge, judge_strict, reduction_length
+from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
+from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError
+from partir_emu.runtime.local_mesh import LocalMesh
+from scenarios import get_scenario
+from scenarios.common import STATE_OUTPUTS
 
 RTOL = 1e-5
 ATOL = 1e-6
+
+
+def _jax() -> Any:
+    import jax  # why: MPI ranks import this module (flatten, inputs) and must never load jax
+    return jax
 
 
 def flatten(tree: Any) -> list[np.ndarray]:
@@ -41,11 +60,11 @@ class Experiment:
     overrides: str | dict | None = None
     seed: int = 0
     inputs_file: str | None = None       # load inputs from this .npz instead of generating them
+    strict: bool = False                 # check loss and gradients before the optimizer, elementwise
     scenario: Any = field(init=False)
     cfg: dict = field(init=False)
 
     def __post_init__(self) -> None:
-        from scenarios import get_scenario
         self.scenario = get_scenario(self.scenario_name)
         self.cfg = self.scenario.config(self.preset, self.overrides)
 
@@ -53,13 +72,18 @@ class Experiment:
     def schedule(self):
         return self.scenario.strategy(self.strategy, self.mesh, self.cfg)
 
-    def lower(self):
-        """Trace (abstractly), partition and lower. Imports jax."""
-        from partir_emu.compiler.api import lower_program, trace
-        from scenarios.common import STATE_OUTPUTS
-        step = self.scenario.make_step(self.cfg)
-        prog = trace(step, *self.scenario.abstract_inputs(self.cfg))
-        return lower_program(prog, self.mesh, self.schedule, STATE_OUTPUTS)
+    def make_step(self) -> Any:
+        """The scenario's step; in strict mode stopped before the optimizer (loss and gradients)."""
+        return self.scenario.make_step(self.cfg, grads_only=self.strict)
+
+    @functools.cached_property
+    def program(self) -> Program:
+        """The traced global step (abstract inputs: nothing allocated). Imports jax on first use."""
+        return trace(self.make_step(), *self.scenario.abstract_inputs(self.cfg))
+
+    def lower(self) -> Lowered:
+        """Trace (abstractly), partition and lower."""
+        return lower_program(self.program, self.mesh, self.schedule, STATE_OUTPUTS)
 
     def inputs(self, names: Sequence[str] | None = None) -> list[np.ndarray]:
         """Global inputs, flat, in the program's input order (numpy only): generated from the
@@ -68,13 +92,37 @@ class Experiment:
             return load_inputs_npz(self.inputs_file, names or self.scenario.input_names(self.cfg))
         return flatten(self.scenario.make_inputs(self.cfg, self.seed))
 
-    def reference(self, inputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-        """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs."""
-        import jax
+    @functools.cached_property
+    def jitted_step(self) -> Any:
+        """``jax.jit`` of the unpartitioned step, made once (jax caches its compilations per
+        input signature, so float32 and float64 calls each compile once)."""
+        return _jax().jit(self.make_step())
+
+    def reference(self, inputs: Sequence[np.ndarray] | None = None, *, x64: bool = False) -> list[np.ndarray]:
+        """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs; with ``x64`` in float64
+        (float inputs cast up, jax's 64-bit mode on for this call only)."""
+        jax = _jax()
+        flat = list(self.inputs() if inputs is None else inputs)
+        if x64:
+            flat = [x.astype(np.float64) if x.dtype.kind == "f" else x for x in map(np.asarray, flat)]
         treedef = jax.tree_util.tree_structure(self.scenario.abstract_inputs(self.cfg))
-        args = jax.tree_util.tree_unflatten(treedef, list(self.inputs() if inputs is None else inputs))
-        out = jax.jit(self.scenario.make_step(self.cfg))(*args)
-        return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+        args = jax.tree_util.tree_unflatten(treedef, flat)
+        with jax.enable_x64(x64):
+            out = self.jitted_step(*args)
+            return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+
+    def references(self, inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """``(jax.jit outputs, float64 outputs)`` of the unpartitioned step on ``inputs``."""
+        return self.reference(inputs), self.reference(inputs, x64=True)
+
+    def check(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray], names: Sequence[str],
+              refs: tuple[list[np.ndarray], list[np.ndarray]] | None = None) -> Verdict:
+        """The verdict on a run's global outputs (see :mod:`partir_emu.app.verdict`); ``refs`` from
+        :meth:`references` when they were computed earlier (e.g. while MPI ranks started)."""
+        base, ref64 = refs if refs is not None else self.references(inputs)
+        if self.strict:
+            return judge_strict(outputs, base, names)
+        return judge(outputs, base, ref64, names, reduction_length(self.program))
 
 
 @dataclass(frozen=True)
@@ -113,28 +161,31 @@ def verify(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray], names
     return Verification(ok, max_abs, max_rel, worst)
 
 
-def run_local(exp: Experiment, algorithm: str = "ring", lowered=None) -> dict:
+def run_local(exp: Experiment, algorithm: str = "ring", lowered: Lowered | None = None) -> dict:
     """Run on the in-process mesh, verify against jax.jit, return the JSON report."""
-    from partir_emu.runtime.local_mesh import LocalMesh
     t0 = time.perf_counter()
     low = lowered or exp.lower()
     t1 = time.perf_counter()
     inputs = exp.inputs(low.spmd.input_names)
     res = LocalMesh(exp.mesh, algorithm=algorithm).run(low.spmd, inputs)
     t2 = time.perf_counter()
-    ver = verify(res.outputs, exp.reference(inputs), low.spmd.output_names)
+    ver = exp.check(res.outputs, inputs, low.spmd.output_names)
     return report(exp, low.spmd, "local", ver, res.peak_bytes_per_device, wall_s=time.perf_counter() - t0,
                   extra={"lower_s": t1 - t0, "step_s": t2 - t1, "algorithm": algorithm})
 
 
-def report(exp: Experiment, spmd, backend: str, ver: Verification, peak: Sequence[int], wall_s: float,
+def report(exp: Experiment, spmd: SpmdProgram, backend: str, ver: Verdict, peak: Sequence[int], wall_s: float,
            extra: dict | None = None) -> dict:
+    """The JSON report of one run. ``error``/``baseline_error``: the largest normwise relative error
+    of an output against the float64 reference, ours and ``jax.jit``'s; ``verdict`` has them per
+    output with the worst element."""
     st = spmd.stats()
     out = {
         "scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg,
         "mesh": dict(exp.mesh.axes), "devices": exp.mesh.size, "backend": backend,
-        "verified": ver.verified, "max_abs_err": ver.max_abs_err, "max_rel_err": ver.max_rel_err,
-        "worst_output": ver.worst, "collectives": st.count, "collective_bytes": st.bytes,
+        "verified": ver.verified, "max_abs_err": ver.max_abs_err, "error": ver.max_err,
+        "baseline_error": ver.max_baseline_err, "worst_output": ver.worst.name if ver.worst else "",
+        "verdict": ver.to_json(), "collectives": st.count, "collective_bytes": st.bytes,
         "collectives_by_axes": st.by_axes, "comm_bytes_per_device": st.wire_bytes_per_device,
         "peak_bytes_per_device": int(max(peak)) if len(peak) else 0, "wall_s": wall_s,
         "tactics": [t.name or t.describe() for t in exp.schedule],
@@ -152,7 +203,7 @@ def load_inputs_npz(path: str | os.PathLike, names: Sequence[str]) -> list[np.nd
                 return [z[n] for n in names]
             if all(f"arr_{i}" in keys for i in range(len(names))):
                 return [z[f"arr_{i}"] for i in range(len(names))]
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:   # not an npz, truncated, ...
         raise ArgumentError(f"--inputs {path}: cannot read it as an .npz without pickles ({exc})") from None
     missing = [n for n in names if n not in keys][:5]
     raise ArgumentError(f"--inputs {path}: keys {keys[:5]}{'…' if len(keys) > 5 else ''} are neither the program's "

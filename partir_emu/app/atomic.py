@@ -1,0 +1,56 @@
+"""Atomic file writes: a reader (or a second writer) sees the old file or the whole new one.
+
+Every file ``partir-emu`` writes for the user — JSON reports, PNG plots, Perfetto traces,
+saved programs, the validate cache — goes through :func:`atomic_path`: the writer fills a
+temp file in the target's own directory (same file system, so the rename is atomic) and
+``os.replace`` puts it in place only when the writer returned. Two concurrent writers then
+leave one of the two complete files, never an interleaving, and a crash leaves the old file.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)      # why set-and-restore: the only portable way to read the umask
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temp path next to ``path`` (same suffix, so writers that pick a format from it still
+    work); on a normal exit it replaces ``path``, on an exception it is removed."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
+                               prefix=f".{target.name}.", suffix=f".tmp{target.suffix}")
+    os.close(fd)
+    try:
+        yield tmp
+        # mkstemp makes the file 0600; a report should get the mode a plain open() would give it
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as sorted, indented JSON (with a final newline) to ``path`` atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = ["atomic_path", "write_json_atomic", "write_text_atomic"]

@@ -1,0 +1,192 @@
+"""Is a partitioned run correct? A verdict a numerics expert would accept.
+
+A partitioned program sums in a different order than the unpartitioned one, so its float
+results differ by rounding; an optimizer such as Adam (``m / sqrt(v)`` ≈ ``sign(g)`` for tiny
+gradients) can amplify those differences element by element. A fixed elementwise tolerance then
+flags correct runs ("verified: NO") and says nothing about how wrong a wrong run is. So the
+verdict is relative to what float32 itself achieves:
+
+- the **reference** is the unpartitioned step computed in float64 (``ref64``) from the same
+  inputs; the unpartitioned ``jax.jit`` in the program's own precision (``jit``) is the
+  **baseline**: its distance to ``ref64`` is the rounding error float32 cannot avoid;
+- per float output, with Euclidean norms over the whole tensor,
+  ``‖ours − ref64‖ ≤ factor · ‖jit − ref64‖ + allowance``, where
+  ``allowance = c · u · sqrt(K) · ‖ref64‖``: ``u`` the unit roundoff of the output's dtype
+  (2⁻²⁴ for float32, 2⁻⁸ for bfloat16) and ``K`` the longest reduction in the program (a sum of
+  ``K`` terms in another order differs by about ``u·sqrt(K)`` relative, statistically);
+- integer and bool outputs must equal the baseline exactly; non-finite values must sit where
+  the reference has them.
+
+Strict mode (:func:`judge_strict`) is for the step stopped before the optimizer (loss and
+gradients, where nothing amplifies rounding): every element within ``rtol=1e-5, atol=1e-6`` of
+``jax.jit``'s, as ``numpy.allclose``.
+
+A wrong partitioning (a missing all_reduce, a block in the wrong place) is off by a fraction of
+the output's own norm, orders of magnitude above the bound (tests check that it still fails).
+Normwise comparison is what makes Adam's element-level amplification harmless: a few
+near-zero-gradient elements flipping sign move the norm of the parameters by little.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partir_emu.core.ir import Program
+from partir_emu.errors import EmulationError
+
+FACTOR = 4.0           # ours may be this many times further from ref64 than jax.jit itself is
+ALLOWANCE_C = 8.0      # constant of the reduction-length allowance
+STRICT_RTOL, STRICT_ATOL = 1e-5, 1e-6
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output against the float64 reference."""
+
+    name: str
+    ok: bool
+    err: float            # ‖ours − ref64‖ / ‖ref64‖
+    baseline_err: float   # ‖jit − ref64‖ / ‖ref64‖
+    bound: float          # the allowed relative error
+    max_abs_err: float    # max |ours − ref64|
+    worst_index: tuple[int, ...]
+    ours_at_worst: float
+    ref_at_worst: float
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "ok": self.ok, "err": self.err, "baseline_err": self.baseline_err,
+                "bound": self.bound, "max_abs_err": self.max_abs_err, "worst_index": list(self.worst_index),
+                "ours_at_worst": self.ours_at_worst, "ref_at_worst": self.ref_at_worst}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verified: bool
+    outputs: tuple[OutputCheck, ...]
+    reduction_length: int
+    criterion: str = "normwise vs float64, relative to jax.jit"
+
+    @property
+    def worst(self) -> OutputCheck | None:
+        """The failing output furthest over its bound, else the one closest to it."""
+        if not self.outputs:
+            return None
+        return max(self.outputs, key=lambda c: (not c.ok, c.err / c.bound if c.bound > 0 else math.inf * c.err))
+
+    @property
+    def max_abs_err(self) -> float:
+        return max((c.max_abs_err for c in self.outputs), default=0.0)
+
+    @property
+    def max_err(self) -> float:
+        return max((c.err for c in self.outputs), default=0.0)
+
+    @property
+    def max_baseline_err(self) -> float:
+        return max((c.baseline_err for c in self.outputs), default=0.0)
+
+    def to_json(self) -> dict:
+        w = self.worst
+        return {"verified": self.verified, "criterion": self.criterion,
+                "max_err": self.max_err, "max_baseline_err": self.max_baseline_err,
+                "max_abs_err": self.max_abs_err, "reduction_length": self.reduction_length,
+                "worst_output": w.name if w else "", "worst": w.to_json() if w else None,
+                "outputs": [c.to_json() for c in self.outputs]}
+
+    def summary(self) -> str:
+        w = self.worst
+        if w is None:
+            return "verified: yes (no outputs)"
+        head = "verified: yes" if self.verified else "verified: NO"
+        return (f"{head}  worst output {w.name!r}: error {w.err:.2e} vs float64 (jax.jit's own {w.baseline_err:.2e}, "
+                f"allowed {w.bound:.2e}); worst element {list(w.worst_index)}: {w.ours_at_worst!r} vs "
+                f"{w.ref_at_worst!r}")
+
+
+def reduction_length(program: Program) -> int:
+    """The longest sum the program computes: contraction sizes of dot_general, reduced sizes of
+    reduce_sum and the length of cumulative sums (1 if there is none)."""
+    longest = 1
+    for e in program.eqns:
+        if e.prim == "dot_general":
+            (lc, _), _ = e.params["dimension_numbers"]
+            n = math.prod(e.inputs[0].shape[i] for i in lc)
+        elif e.prim == "reduce_sum":
+            n = math.prod(e.inputs[0].shape[i] for i in e.params["axes"])
+        elif e.prim == "cumsum":
+            n = e.inputs[0].shape[e.params["axis"]]
+        else:
+            continue
+        longest = max(longest, n)
+    return longest
+
+
+def judge(ours: Sequence[np.ndarray], baseline: Sequence[np.ndarray], ref64: Sequence[np.ndarray],
+          names: Sequence[str], reduction_len: int, *, factor: float = FACTOR,
+          allowance_c: float = ALLOWANCE_C) -> Verdict:
+    """The verdict on ``ours`` given the same outputs from ``jax.jit`` (``baseline``) and from the
+    float64 reference (``ref64``), all in the program's output order."""
+    if not len(ours) == len(baseline) == len(ref64) == len(names):
+        raise EmulationError(f"verdict: {len(ours)} outputs, {len(baseline)} baseline, {len(ref64)} reference, "
+                             f"{len(names)} names: the runs disagree on the program's outputs")
+    checks = tuple(_check(np.asarray(o), np.asarray(b), np.asarray(r), n, reduction_len, factor, allowance_c)
+                   for o, b, r, n in zip(ours, baseline, ref64, names))
+    return Verdict(all(c.ok for c in checks), checks, reduction_len)
+
+
+def _check(ours: np.ndarray, base: np.ndarray, ref: np.ndarray, name: str, k: int, factor: float,
+           c: float) -> OutputCheck:
+    if ours.shape != ref.shape or base.shape != ref.shape:
+        raise EmulationError(f"output {name!r}: shape {list(ours.shape)}, jax.jit {list(base.shape)}, "
+                             f"reference {list(ref.shape)}")
+    if ours.dtype.kind in "biu" or ours.size == 0:
+        return _exact(ours, base, name)
+    o, b, r = (np.asarray(x, dtype=np.float64) for x in (ours, base, ref))
+    finite = np.isfinite(r)
+    same_nonfinite = bool(np.array_equal(o[~finite], r[~finite], equal_nan=True))
+    o, b, r = np.where(finite, o, 0.0), np.where(finite, b, 0.0), np.where(finite, r, 0.0)
+    diff = np.abs(o - r)
+    scale = float(np.linalg.norm(r))
+    d_ours, d_base = float(np.linalg.norm(diff)), float(np.linalg.norm(b - r))
+    u = UNIT_ROUNDOFF.get(ours.dtype.name, 2.0 ** -24)
+    bound_abs = factor * d_base + c * u * math.sqrt(k) * scale
+    ok = same_nonfinite and bool(np.all(np.isfinite(o))) and d_ours <= bound_abs
+    denom = scale if scale > 0 else 1.0
+    worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
+    return OutputCheck(name, ok, d_ours / denom, d_base / denom, bound_abs / denom, float(diff.max()),
+                       tuple(int(i) for i in worst), float(ours[worst]), float(ref[worst]))
+
+
+def _exact(ours: np.ndarray, base: np.ndarray, name: str) -> OutputCheck:
+    diff = ours != base
+    ok = not bool(diff.any())
+    worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
+    err = float(diff.mean()) if diff.size else 0.0
+    return OutputCheck(name, ok, err, 0.0, 0.0, float(np.abs(ours.astype(np.float64) - base).max(initial=0.0)),
+                       tuple(int(i) for i in worst), float(ours[worst]) if diff.size else 0.0,
+                       float(base[worst]) if diff.size else 0.0)
+
+
+def judge_strict(ours: Sequence[np.ndarray], baseline: Sequence[np.ndarray], names: Sequence[str], *,
+                 rtol: float = STRICT_RTOL, atol: float = STRICT_ATOL) -> Verdict:
+    """Elementwise: every output within ``atol + rtol·|jit|`` of ``jax.jit``'s (``err`` and
+    ``bound`` are then the largest ``|ours − jit| / (atol + rtol·|jit|)`` and 1)."""
+    if not len(ours) == len(baseline) == len(names):
+        raise EmulationError(f"verdict: {len(ours)} outputs, {len(baseline)} baseline, {len(names)} names")
+    checks = []
+    for o, b, n in zip(map(np.asarray, ours), map(np.asarray, baseline), names):
+        if o.shape != b.shape:
+            raise EmulationError(f"output {n!r}: shape {list(o.shape)}, jax.jit {list(b.shape)}")
+        diff = np.abs(o.astype(np.float64) - b.astype(np.float64))
+        ratio = diff / (atol + rtol * np.abs(b.astype(np.float64)))
+        worst = np.unravel_index(int(np.nanargmax(ratio)), ratio.shape) if ratio.size else ()
+        err = float(np.nanmax(ratio)) if ratio.size else 0.0
+        ok = bool(np.allclose(o, b, rtol=rtol, atol=atol, equal_nan=True))
+        checks.append(OutputCheck(n, ok, err, 0.0, 1.0, float(diff.max(initial=0.0)), tuple(int(i) for i in worst),
+                                  float(o[worst]) if o.size else 0.0, float(b[worst]) if b.size else 0.0))
+    return Verdict(all(c.ok for c in checks), tuple(checks), 0,
+                   f"strict: loss and gradients elementwise vs jax.jit (rtol {rtol:g}, atol {atol:g})")

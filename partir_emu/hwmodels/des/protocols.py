@@ -1,0 +1,92 @@
+"""The narrow interfaces the parts of the DES see of each other.
+
+The simulation (:mod:`.model`) wires three kinds of parts together; each part sees the others
+only through one of these protocols, so the dependencies run one way: ``model`` imports
+``device``, ``collective`` and the networks; none of them imports ``model``.
+
+- a :class:`Network` (:class:`~.network.FlowNetwork`, :class:`~.chunked.ChunkNetwork`) carries the
+  flows a collective sends and reports contention to the flows' :class:`ContentionSink`;
+- a running collective (:class:`~.collective.CollectiveRun`) is hosted by a
+  :class:`CollectiveHost`: the simulation of a step, or the replay of a message trace;
+- the devices (:class:`~.device.Devices`) open a collective through a :class:`CollectiveOpener`
+  and report compute spans to a :class:`ComputeSink` (the trace recorder).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import simpy
+
+from partir_emu.hwmodels.des.routing import RoutePattern
+
+Delivered = Callable[[np.ndarray | None, float], None]
+"""``on_delivered(flow ids, or None for all flows of the send, time)``."""
+
+
+class ContentionSink(Protocol):
+    """Who is told how crowded the links of its flows were (a collective's statistics)."""
+
+    def contention(self, flows: int, link: int, own: int) -> None:
+        """``flows`` flows shared ``link``, ``own`` of them from this sink's send."""
+
+
+class Network(Protocol):
+    """Moves flows over the routed links; counts what crossed each link."""
+
+    kind: str
+    flows: int                       # flows started so far
+    link_bytes: np.ndarray           # per link: bytes carried
+    link_max_flows: np.ndarray       # per link: most flows at once
+
+    def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
+             owner: ContentionSink | None = None) -> None:
+        """Start flows ``idx`` of ``route`` (all when ``None``) now, ``nbytes[k]`` bytes for the k-th."""
+
+
+class CollectiveHost(Protocol):
+    """What a running collective needs from whoever runs it."""
+
+    @property
+    def env(self) -> simpy.Environment: ...
+
+    @property
+    def network(self) -> Network: ...
+
+    @property
+    def message_overhead_s(self) -> float:
+        """A sender posts the messages of a step one after another, this long each."""
+
+    def collective_done(self, ci: int, devices: np.ndarray, t: float, complete: bool) -> None:
+        """Collective ``ci`` finished on ``devices`` at ``t``; ``complete``: on every device now."""
+
+
+class CollectiveOpener(Protocol):
+    """What the devices need from the simulation: a collective whose gate opened is started."""
+
+    def open_collective(self, c: int, devices: np.ndarray, t: float) -> None:
+        """The gate of collective ``c`` opened for ``devices`` at ``t``."""
+
+
+class ComputeSpan(Protocol):
+    """A run of compute equations, as the trace shows it."""
+
+    @property
+    def first(self) -> int: ...
+
+    @property
+    def last(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+class ComputeSink(Protocol):
+    """Where the devices report what they computed (the Perfetto trace recorder)."""
+
+    def compute(self, devices: np.ndarray, t0: float, t1: float, action: ComputeSpan) -> None: ...
+
+
+__all__ = ["Delivered", "ContentionSink", "Network", "CollectiveHost", "CollectiveOpener", "ComputeSpan",
+           "ComputeSink"]

@@ -1,0 +1,466 @@
+"""Bad input and faults: every bad command line exits 2 with one line on stderr and no traceback.
+
+The catalogue (``CATALOGUE``) is one parametrized case per command line; each must fail with
+exit status 2, exactly one line on stderr, no "Traceback", and — where the check is up-front,
+i.e. before anything is lowered — within a few seconds. A hypothesis fuzz test throws random
+argument lists (real subcommands and flags with junk values) at the CLI and asserts exit
+0, 1 or 2 and no traceback. Then: exit status 3 for internal errors, atomic reports and
+caches, the memory estimate, progress lines. All in-process (``partir_emu.app.cli.main``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from io import StringIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partir_emu.app import checks, cli
+from partir_emu.app.atomic import write_json_atomic
+from partir_emu.app.cli import main
+from partir_emu.app.common import experiment_from_args
+from partir_emu.app.phases import Phases, announce
+from partir_emu.app.validate_cases import Case, ProgramCache
+from partir_emu.hwmodels.specs import DATA_DIR
+
+T = "--size tiny --mesh batch=2,model=2"
+UP_FRONT_S = 5.0         # a check that runs before lowering answers well within this (jax not needed)
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory) -> Path:
+    """A directory of bad (and a few good) input files."""
+    d = tmp_path_factory.mktemp("bad")
+    garbage = b"\xff\xfe\x00garbage\x80\x81\x00\x01"
+    for name in ("garbage.toml", "garbage.jsonl", "garbage.npz", "garbage.json"):
+        (d / name).write_bytes(garbage)
+    (d / "adir").mkdir()
+    (d / "afile").write_text("x")
+    (d / "trunc.npz").write_bytes(b"PK\x03\x04trunc")
+    np.savez(d / "wrongkeys.npz", a=np.zeros(3))
+    np.savez(d / "obj.npz", a=np.array([{}], dtype=object))
+    (d / "partial.toml").write_text('name = "x"\nkind = "tpu"\n')
+    (d / "latin1.toml").write_bytes('name = "café"\nkind = "tpu"\n'.encode("latin-1"))
+    (d / "notoml.toml").write_text("this is = = not toml [\n")
+    (d / "list.jsonl").write_text("[1, 2]\n")
+    (d / "types.jsonl").write_text('{"scenario": 5, "strategy": "bp", "hardware": "tpu-v4", "mesh": "batch=8"}\n')
+    (d / "mesh.jsonl").write_text('{"scenario": "mlp", "strategy": "bp", "hardware": "tpu-v4", "mesh": 8}\n')
+    (d / "empty.jsonl").write_text("\n# only a comment\n")
+    (d / "badscenario.jsonl").write_text('{"scenario": "nope", "strategy": "bp", "hardware": "tpu-v4", '
+                                         '"mesh": "batch=8"}\n')
+    (d / "toobig.jsonl").write_text('{"scenario": "mlp", "strategy": "bp", "hardware": "tpu-v4", '
+                                    '"mesh": "batch=100000", "preset": "tiny"}\n')
+    (d / "unknownfield.jsonl").write_text('{"scenario": "mlp", "strategy": "bp", "hardware": "tpu-v4", '
+                                          '"mesh": "batch=8", "colour": "red"}\n')
+    (d / "badjson.jsonl").write_text('{"scenario": "mlp",\n')
+    (d / "head.jsonl").write_text('{"format": "partir-emu-message-trace", "version": 2}\n')
+    (d / "v1.jsonl").write_text('{"format": "partir-emu-message-trace", "version": 1}\n')
+    (d / "notjson.jsonl").write_text("hello\n")
+    (d / "empty").write_text("")
+    (d / "badhw.jsonl").write_text('{"scenario": "mlp", "strategy": "bp", "hardware": "tpu-v9", "mesh": "batch=8"}\n')
+    head = {"format": "partir-emu-message-trace", "version": 2, "mesh": [["batch", 2]], "devices": 2, "ranks": 2,
+            "devices_per_rank": 1, "algorithm": "ring", "collectives": {}}
+    row = '{"coll": 0, "step": 0, "src": 99, "dst": 1, "bytes": 4}\n'
+    (d / "dpr0.jsonl").write_text(json.dumps({**head, "devices_per_rank": 0}) + "\n")
+    (d / "src99.jsonl").write_text(json.dumps(head) + "\n" + row)
+    for name, n in (("hugemesh.jsonl", 10**9), ("bigmesh.jsonl", 8192)):
+        (d / name).write_text(json.dumps({**head, "mesh": [["batch", n]], "devices": n}) + "\n")
+    return d
+
+
+# (argv with {d} for the directory above and {T} for a tiny mesh; needle in the message; up-front?)
+CATALOGUE: list[tuple[str, str, bool]] = [
+    # run: paths
+    ("run mlp {T} --report {d}/missing/r.json", "does not exist", True),
+    ("run mlp {T} --report {d}/adir", "is a directory", True),
+    ("run mlp {T} --report {d}/afile/r.json", "is not a directory", True),
+    ("run mlp {T} --inputs {d}/garbage.npz", "not an .npz", True),
+    ("run mlp {T} --inputs {d}/trunc.npz", "not an .npz", True),
+    ("run mlp {T} --inputs {d}/obj.npz", "pickles", True),
+    ("run mlp {T} --inputs {d}/nope.npz", "no such file", True),
+    ("run mlp {T} --inputs {d}/adir", "is a directory", True),
+    ("run mlp {T} --inputs {d}/wrongkeys.npz", "neither the input names", False),
+    ("run mlp {T} --trace-messages {d}/t.jsonl", "use it with --backend mpi", True),
+    ("run mlp {T} --backend mpi --trace-messages {d}/missing/t.jsonl", "does not exist", True),
+    # run: numbers
+    ("run mlp {T} --timeout nan", "not a finite number", True),
+    ("run mlp {T} --timeout inf", "not a finite number", True),
+    ("run mlp {T} --timeout -1", "more than 0", True),
+    ("run mlp {T} --timeout 0", "more than 0", True),
+    ("run mlp {T} --timeout abc", "not a number", True),
+    ("run mlp {T} --seed -1", "between 0 and 2**63-1", True),
+    ("run mlp {T} --seed x", "not an integer", True),
+    ("run mlp {T} --seed 1e3", "not an integer", True),
+    ("run mlp {T} --seed 99999999999999999999999", "between 0 and 2**63-1", True),
+    ("run mlp {T} --devices 3", "--devices 3 but the mesh", True),
+    ("run mlp {T} --devices 0", "at least 1", True),
+    ("run mlp {T} --devices-per-rank 0", "at least 1", True),
+    ("run mlp {T} --backend mpi --devices-per-rank 3", "does not divide", True),
+    # run: names
+    ("run mlp {T} --algorithm pigeon", "not a collective algorithm of the local backend", True),
+    ("run mlp {T} --backend mpi --algorithm pigeon", "not a collective algorithm of the mpi backend", True),
+    ("run mlp {T} --algorithm native", "not a collective algorithm of the local backend", True),
+    ("run mlp {T} --backend gpu", "invalid choice", True),
+    ("run nope {T}", "unknown scenario 'nope'", True),
+    ("run mlp --strategy dp {T}", "has no strategy 'dp'", True),
+    ("run mlp --size huge --mesh batch=2", "no size preset 'huge'", True),
+    # run: sizes
+    ("run mlp --size full --mesh batch=2,model=2", "simulation-only", True),
+    ("run transformer --size t32 --mesh batch=2,model=2", "simulation-only", True),
+    ("run transformer --size t48 --mesh batch=2,model=2", "simulation-only", True),
+    ("run mlp --size tiny --mesh batch=8192", "at most 4,096", True),
+    ("run mlp --size tiny --mesh batch=2 --set hidden=1000000000000000000000", "of memory", True),
+    ("run mlp --size tiny --mesh batch", "not AXIS=SIZE", True),
+    ("run mlp --size tiny --mesh batch=0", "size 0", True),
+    ("run mlp --size tiny --mesh batch=-2", "batch", True),
+    ("run mlp --size tiny --mesh batch=2,batch=2", "appears twice", True),
+    ("run mlp {T} --set widht=4", "has no size 'widht'", True),
+    ("run mlp {T} --set batch=0", "batch", True),
+    ("run mlp {T} --set batch=x", "batch", True),
+    # run: argparse
+    ("run", "the following arguments are required", True),
+    ("run mlp --bogus-flag", "unrecognized arguments", True),
+    ("run mlp {T} --report", "expected one argument", True),
+    # show
+    ("show mlp {T} --output {d}/missing/x.json", "does not exist", True),
+    ("show mlp {T} --output {d}/adir", "is a directory", True),
+    ("show mlp {T} --after-tactic -1", "0 or more", True),
+    ("show mlp {T} --after-tactic x", "not an integer", True),
+    ("show mlp --size tiny --mesh batch=2000000", "at most 1,048,576", True),
+    ("show mlp {T} --after-tactic 9", "--after-tactic 9", False),
+    # simulate
+    ("simulate mlp {T} --top 0", "at least 1", True),
+    ("simulate mlp {T} --top -5", "at least 1", True),
+    ("simulate mlp {T} --report {d}/adir", "is a directory", True),
+    ("simulate mlp {T} --report {d}/missing/r.json", "does not exist", True),
+    ("simulate mlp {T} --hardware {d}/garbage.toml", "not a TOML file", True),
+    ("simulate mlp {T} --hardware {d}/latin1.toml", "not a TOML file", True),
+    ("simulate mlp {T} --hardware {d}/notoml.toml", "not valid TOML", True),
+    ("simulate mlp {T} --hardware {d}/partial.toml", "table [chip] is missing", True),
+    ("simulate mlp {T} --hardware {d}/nope.toml", "does not exist", True),
+    ("simulate mlp {T} --hardware tpu-v9", "no hardware spec named 'tpu-v9'", True),
+    ("simulate mlp --size tiny --mesh batch=1000000000", "at most 1,048,576", True),
+    ("simulate mlp --size tiny --mesh batch=8192", "has at most 4,096 chips", True),
+    ("simulate mlp {T} --algorithm carrier-pigeon", "unknown collective algorithm", True),
+    ("simulate mlp {T} --algorithm all_sum=ring", "unknown collective kind", True),
+    ("simulate mlp {T} --slice 2xq", "--slice '2xq'", True),
+    ("simulate mlp {T} --slice 0x2", "--slice '0x2'", True),
+    ("simulate mlp {T} --placement model=q", "not a physical dim", True),
+    # simulate-des
+    ("simulate-des mlp {T} --top 0", "at least 1", True),
+    ("simulate-des mlp {T} --merge-window nan", "not a finite number", True),
+    ("simulate-des mlp {T} --message-overhead -1", "0 or more", True),
+    ("simulate-des mlp {T} --chunk-bytes 0", "at least 1", True),
+    ("simulate-des mlp {T} --comm-streams 0", "at least 1", True),
+    ("simulate-des mlp {T} --trace-devices 0", "at least 1", True),
+    ("simulate-des mlp {T} --trace {d}/missing/t.json", "does not exist", True),
+    ("simulate-des mlp {T} --report {d}/adir", "is a directory", True),
+    ("simulate-des mlp {T} --degrade-link 0->1:nan", "LINK:FACTOR", True),
+    ("simulate-des mlp {T} --straggler 0:-1", "slow-down factor > 0", False),
+    ("simulate-des mlp {T} --straggler x", "DEVICE:FACTOR", True),
+    ("simulate-des mlp {T} --straggler 0:inf", "DEVICE:FACTOR", True),
+    ("simulate-des mlp {T} --network pigeon", "invalid choice", True),
+    ("simulate-des mlp --size tiny --mesh batch=2000000", "at most 1,048,576", True),
+    # validate
+    ("validate --cases {d}/garbage.jsonl", "not a text file", True),
+    ("validate --cases {d}/list.jsonl", "not a JSON object", True),
+    ("validate --cases {d}/types.jsonl", "field 'scenario' is 5", True),
+    ("validate --cases {d}/mesh.jsonl", "field 'mesh' is 8", True),
+    ("validate --cases {d}/badjson.jsonl", "not JSON", True),
+    ("validate --cases {d}/adir", "is a directory", True),
+    ("validate --cases {d}/nope.jsonl", "no such file", True),
+    ("validate --cases {d}/empty.jsonl", "no cases", True),
+    ("validate --cases {d}/badscenario.jsonl", "unknown scenario 'nope'", True),
+    ("validate --cases {d}/toobig.jsonl", "at most 4096 chips", True),
+    ("validate --cases {d}/unknownfield.jsonl", "unknown field 'colour'", True),
+    ("validate --cases {d}/badhw.jsonl", "no hardware spec named 'tpu-v9'", True),
+    ("validate --suite nope", "unknown validation suite 'nope'", True),
+    ("validate --plot {d}/missing/p.png", "does not exist", True),
+    ("validate --report {d}/adir", "is a directory", True),
+    ("validate --cache {d}/afile", "not a directory", True),
+    # replay
+    ("replay {d}/garbage.jsonl", "not a message trace", True),
+    ("replay {d}/head.jsonl", "the header has no 'mesh'", True),
+    ("replay {d}/v1.jsonl", "version 1", True),
+    ("replay {d}/notjson.jsonl", "not JSON", True),
+    ("replay {d}/empty", "not JSON", True),
+    ("replay {d}/adir", "is a directory", True),
+    ("replay {d}/dpr0.jsonl", "'devices_per_rank' must be a positive integer", True),
+    ("replay {d}/src99.jsonl", "a device outside 0..1", True),
+    ("replay {d}/hugemesh.jsonl", "at most 1,048,576", True),
+    ("replay {d}/bigmesh.jsonl", "has at most 4,096 chips", True),
+    ("replay {d}/nope.jsonl", "no such file", True),
+    ("replay {d}/head.jsonl --report {d}/adir", "is a directory", True),
+    # paths that are no paths
+    ("validate --cases {empty}", "the path is empty", True),
+    ("validate --cache {empty}", "the path is empty", True),
+    ("show mlp {T} --output {empty}", "the path is empty", True),
+    ("run mlp {T} --inputs {empty}", "the path is empty", True),
+    ("replay {long}", "File name too long", True),
+    ("simulate mlp {T} --report {long}", "File name too long", True),
+    ("hardware {long}", "no hardware spec named", True),
+    # hardware, top level
+    ("hardware {d}/garbage.toml", "not a TOML file", True),
+    ("hardware {d}/partial.toml", "table [chip] is missing", True),
+    ("hardware tpu-v9", "no hardware spec named 'tpu-v9'", True),
+    ("", "the following arguments are required: COMMAND", True),
+    ("frobnicate", "invalid choice", True),
+]
+
+
+def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _argv(template: str, d: Path) -> list[str]:
+    # "" and a 5000-character name are single arguments: split on spaces first, then substitute
+    return [part.format(d=d, T=T, empty="", long="x" * 5000) for part in template.split()
+            for part in ([part] if part != "{T}" else T.split())]
+
+
+def test_the_catalogue_is_large_enough():
+    assert len(CATALOGUE) >= 60
+    assert len({c[0] for c in CATALOGUE}) == len(CATALOGUE)
+
+
+@pytest.mark.parametrize("template, needle, up_front", CATALOGUE, ids=[c[0].replace("{d}/", "") or "(none)"
+                                                                      for c in CATALOGUE])
+def test_bad_command_line_exits_2_with_one_line(capsys, d, template, needle, up_front):
+    t0 = time.perf_counter()
+    rc, _, err = run_cli(capsys, _argv(template, d))
+    took = time.perf_counter() - t0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert needle in err, err
+    assert lines[0].startswith("partir-emu")
+    if up_front:
+        assert took < UP_FRONT_S, f"{took:.1f} s: the check should come before any lowering"
+
+
+def test_hardware_lists_the_good_specs_and_one_line_per_bad_file(capsys, tmp_path, monkeypatch):
+    (tmp_path / "junk.toml").write_bytes(b"\xff\xfe\x00\x80")
+    (tmp_path / "dir.toml").mkdir()
+    monkeypatch.setenv("PARTIR_EMU_HW_PATH", str(tmp_path))
+    rc, out, err = run_cli(capsys, ["hardware"])
+    assert rc == 2
+    assert "tpu-v4" in out and "h100" in out
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err
+    assert any("junk.toml" in line and "not a TOML file" in line for line in lines), err
+    assert all(line.startswith("partir-emu hardware: error:") for line in lines)
+
+
+# -- fuzz ------------------------------------------------------------------------------------------------
+_JUNK = ["", "x", "-1", "0", "1", "nan", "inf", "-inf", "1e999", "3.5", "99999999999999999999", "é", "\x00",
+         "batch", "=", ",", "--", "-", "batch=2", "a=b=c", "../../etc/passwd", "%s", "{}", "null"]
+_SUBCOMMANDS: dict[str, list[str]] = {
+    "run": ["--strategy", "--mesh", "--size", "--set", "--seed", "--backend", "--algorithm", "--devices",
+            "--devices-per-rank", "--timeout", "--trace-messages", "--inputs", "--report", "--quiet"],
+    "show": ["--strategy", "--mesh", "--size", "--set", "--seed", "--after-tactic", "--all", "--output"],
+    "simulate": ["--strategy", "--mesh", "--size", "--set", "--hardware", "--placement", "--slice", "--overlap",
+                 "--algorithm", "--top", "--report"],
+    "simulate-des": ["--strategy", "--mesh", "--size", "--hardware", "--network", "--chunk-bytes",
+                     "--comm-streams", "--straggler", "--message-overhead", "--merge-window", "--degrade-link",
+                     "--fail-link", "--top", "--report", "--trace", "--trace-devices"],
+    "validate": ["--cases", "--report", "--plot", "--cache"],
+    "replay": ["--hardware", "--placement", "--slice", "--report"],
+    "hardware": ["--json"],
+    "list": [],
+}
+_REAL_VALUES = ["mlp", "transformer", "bp", "mp", "bp+mp", "z3", "tiny", "batch=2", "batch=2,model=2",
+                "model=2", "batch=4", "tpu-v4", "h100", "ring", "direct", "native", "local", "mpi", "2", "8",
+                "all_reduce=ring", "2x2x1", "flow", "chunk", "0:1.5", "0->1:0.5", "batch=3"]
+
+
+def _path_values(d: Path) -> list[str]:
+    return [str(d / n) for n in ("garbage.toml", "garbage.jsonl", "garbage.npz", "adir", "nope",
+                                 "missing/x.json", "head.jsonl", "list.jsonl", "partial.toml", "afile")]
+
+
+@st.composite
+def _argvs(draw, d: Path) -> list[str]:
+    cmd = draw(st.sampled_from(sorted(_SUBCOMMANDS)))
+    values = st.sampled_from(_JUNK + _REAL_VALUES + _path_values(d)) | st.text(max_size=8)
+    argv = [cmd]
+    if cmd in ("run", "show", "simulate", "simulate-des"):
+        argv.append(draw(st.sampled_from(["mlp", "nope", ""] + (["transformer"] if cmd != "run" else []))))
+        argv += ["--size", "tiny"]                       # keep the rare valid command cheap ...
+    if cmd == "replay":
+        argv.append(draw(st.sampled_from(_path_values(d))))
+    if cmd == "validate":
+        argv += ["--cases", draw(st.sampled_from(_path_values(d)))]   # ... and never the whole default suite
+    flags = _SUBCOMMANDS[cmd] + ["--bogus"]
+    for _ in range(draw(st.integers(0, 4))):
+        flag = draw(st.sampled_from(flags))
+        if flag == "--size":
+            continue
+        argv.append(flag)
+        if draw(st.booleans()) or flag not in ("--quiet", "--all", "--overlap", "--json"):
+            argv.append(draw(values))
+    if cmd in ("run", "show", "simulate", "simulate-des") and "--mesh" not in argv:
+        argv += ["--mesh", draw(st.sampled_from(["batch=2", "batch=2,model=2", "model=2", "batch=0", "x"]))]
+    return argv
+
+
+def test_fuzz_the_command_line(d, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)         # junk values may name files and directories: make them here
+    @settings(max_examples=50, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_argvs(d))
+    def fuzz(argv: list[str]) -> None:
+        capsys.readouterr()
+        rc = main(argv)
+        _, err = capsys.readouterr()
+        assert rc in (0, 1, 2), (argv, rc, err)
+        assert "Traceback" not in err, (argv, err)
+        if rc == 2:
+            assert len([line for line in err.splitlines() if line.strip()]) == 1, (argv, err)
+
+    fuzz()
+
+
+# -- exit status 3, --help -------------------------------------------------------------------------------
+def test_internal_error_exits_3_with_one_line(capsys, monkeypatch):
+    def boom(args):
+        raise RuntimeError("something inside broke\nacross two lines")
+
+    monkeypatch.setattr(cli, "cmd_list", boom)
+    monkeypatch.delenv("PARTIR_EMU_DEBUG", raising=False)
+    rc, _, err = run_cli(capsys, ["list"])
+    assert rc == 3
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "internal error: RuntimeError: something inside broke across two lines" in err
+    assert "PARTIR_EMU_DEBUG=1" in err and "in boom" in err
+    monkeypatch.setenv("PARTIR_EMU_DEBUG", "1")
+    rc, _, err = run_cli(capsys, ["list"])
+    assert rc == 3 and "Traceback" in err and err.strip().splitlines()[-1].startswith("partir-emu list:")
+
+
+def test_help_documents_the_exit_statuses(capsys):
+    rc, out, _ = run_cli(capsys, ["--help"])
+    assert rc == 0
+    assert "exit status" in out and "bad input" in out and "internal error" in out and "PARTIR_EMU_DEBUG" in out
+
+
+# -- memory -----------------------------------------------------------------------------------------------
+def test_run_is_refused_before_lowering_when_inputs_cannot_fit(capsys, monkeypatch):
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: 1024)
+    rc, _, err = run_cli(capsys, ["run", "mlp", *T.split()])
+    assert rc == 2 and "needs about" in err and "1.0 KiB available" in err and "partir-emu simulate" in err
+
+
+def test_run_is_refused_from_the_lowered_program_estimate(capsys, monkeypatch):
+    args = cli.build_parser().parse_args(["run", "mlp", *T.split()])
+    exp = experiment_from_args(args)
+    lower_bound = 2 * checks.input_bytes(exp)
+    need, parts = checks.run_memory_bytes(exp.lower().spmd, exp.mesh.size)
+    assert need > lower_bound and parts["devices"] > 0
+    monkeypatch.setattr(checks, "available_memory_bytes", lambda: lower_bound + 1)
+    rc, _, err = run_cli(capsys, ["run", "mlp", *T.split()])
+    assert rc == 2 and "peak per device × 4 devices" in err, err
+
+
+def test_available_memory_is_read_from_proc_meminfo():
+    avail = checks.available_memory_bytes()
+    assert avail is None or avail > 0
+
+
+# -- atomic files -------------------------------------------------------------------------------------------
+def test_concurrent_report_writers_never_leave_invalid_json(tmp_path):
+    path = tmp_path / "r.json"
+    big = {f"k{i}": list(range(200)) for i in range(50)}
+    bad: list[str] = []
+    stop = threading.Event()
+
+    def writer(tag: int) -> None:
+        for _ in range(40):
+            write_json_atomic(path, {"tag": tag, **big})
+
+    def reader() -> None:
+        while not stop.is_set():
+            if path.exists():
+                try:
+                    json.loads(path.read_text())
+                except ValueError as exc:
+                    bad.append(str(exc))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    r = threading.Thread(target=reader)
+    r.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    r.join()
+    assert not bad
+    assert json.loads(path.read_text())["tag"] in (0, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]       # no temp file left behind
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "r.json"
+    write_json_atomic(path, {"old": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"new": object()})
+    assert json.loads(path.read_text()) == {"old": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_truncated_cache_entry_is_relowered_with_one_warning(tmp_path, capsys):
+    case = Case("mlp", "bp", "tpu-v4", "batch=2", preset="tiny")
+    first = ProgramCache(tmp_path).get(case)
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text(entry.read_text()[:100])
+    again = ProgramCache(tmp_path).get(case)
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "ignoring unreadable cache entry" in err
+    assert again.dumps() == first.dumps()
+    assert ProgramCache(tmp_path).get(case).dumps() == first.dumps()      # rewritten whole
+    entry.write_bytes(b"\xff\x00")
+    assert ProgramCache(tmp_path).get(case).dumps() == first.dumps()
+
+
+def test_show_output_and_simulate_report_are_written_whole(capsys, tmp_path):
+    out = tmp_path / "prog.json"
+    rc, _, _ = run_cli(capsys, ["show", "mlp", *T.split(), "--output", str(out)])
+    assert rc == 0 and json.loads(out.read_text())
+    rep = tmp_path / "sim.json"
+    rc, _, _ = run_cli(capsys, ["simulate", "mlp", *T.split(), "--report", str(rep)])
+    assert rc == 0 and json.loads(rep.read_text())["devices"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prog.json", "sim.json"]
+
+
+# -- progress -----------------------------------------------------------------------------------------------
+def test_progress_shows_phases_only_after_the_delay():
+    buf = StringIO()
+    with Phases("run", stream=buf, force=True, delay_s=0.05) as ph:
+        ph.phase("lowering")
+        assert buf.getvalue() == ""
+        time.sleep(0.3)
+        announce("step")
+    lines = buf.getvalue().splitlines()
+    assert [line.split(" …")[0] for line in lines] == ["partir-emu run: lowering", "partir-emu run: step"]
+
+
+def test_progress_is_quiet_off_a_terminal_or_with_quiet():
+    buf = StringIO()            # not a tty
+    with Phases("run", stream=buf, delay_s=0.0) as ph:
+        ph.phase("lowering")
+        time.sleep(0.05)
+    assert buf.getvalue() == ""
+    assert not Phases("run", quiet=True, stream=sys.stderr).enabled
+
+
+def test_spec_data_files_are_all_valid():
+    assert len(list(DATA_DIR.glob("*.toml"))) >= 7
