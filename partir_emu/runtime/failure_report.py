@@ -50,6 +50,14 @@ def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] 
     ``status``: exit statuses by rank (None: unknown, e.g. to a watcher that is not the parent)."""
     t_first, _ = silent[0]
     same = [r for t, r in silent if t - t_first < 0.002]
+    if len(same) > 1 and status:
+        # exits too close to order (or seen late): the one a signal killed while the others exited
+        # on their own (MPICH ends the survivors) is the one that died
+        killed = [r for r in same if status.get(int(r["rank"]), "").startswith("killed")]
+        if len(killed) == 1:
+            same = killed
+        elif killed:
+            same = killed + [r for r in same if r not in killed]
     which = "it was the first rank to exit" if len(same) == 1 else "one of the first ranks to exit"
 
     def how(rank: int) -> str:

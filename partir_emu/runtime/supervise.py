@@ -259,7 +259,11 @@ def remove_segments(paths: Iterable[str]) -> list[str]:
 class DeathWatch:
     """Learns the moment each rank exits: a rank holds an ``flock`` on its progress file while
     it lives (see :class:`partir_emu.runtime.worker.RankGuard`); one thread per rank blocks on
-    that lock and stamps the time it is released, with the rank's last progress record."""
+    that lock and stamps the time it is released, with the rank's last progress record.
+
+    A rank that had already exited when its thread first took the lock (a job that fails within
+    the first scan) has no known exit time: it is stamped 0.0, earlier than every observed exit,
+    so that it is never ranked after a rank whose death was seen as it happened."""
 
     def __init__(self, progress_dir: Path) -> None:
         self.dir = progress_dir
@@ -280,7 +284,7 @@ class DeathWatch:
                 if n.startswith("rank-") and n not in self._seen and _size(path) > 0:
                     self._seen.add(n)
                     threading.Thread(target=self._wait_one, args=(path,), daemon=True).start()
-            self._stop.wait(0.1)
+            self._stop.wait(0.02)
 
     def _wait_one(self, path: Path) -> None:
         try:
@@ -288,8 +292,12 @@ class DeathWatch:
         except OSError:
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)      # granted once the rank has exited (or finished)
-            t = time.time()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                t = 0.0                             # free already: exited before we watched, time unknown
+            except BlockingIOError:
+                fcntl.flock(fd, fcntl.LOCK_EX)      # granted once the rank has exited (or finished)
+                t = time.time()
             rec = read_record(path)
             if rec is not None:
                 self.exits[int(rec["rank"])] = (t, rec)
