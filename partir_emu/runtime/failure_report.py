@@ -51,19 +51,26 @@ def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] 
     t_first, _ = silent[0]
     same = [r for t, r in silent if t - t_first < 0.002]
     if len(same) > 1 and status:
-        # exits too close to order (or seen late): the one a signal killed while the others exited
-        # on their own (MPICH ends the survivors) is the one that died
-        killed = [r for r in same if status.get(int(r["rank"]), "").startswith("killed")]
-        if len(killed) == 1:
-            same = killed
-        elif killed:
-            same = killed + [r for r in same if r not in killed]
+        same = _break_tie(same, status)
     which = "it was the first rank to exit" if len(same) == 1 else "one of the first ranks to exit"
 
     def how(rank: int) -> str:
         return "" if status is None else f" ({status.get(rank, 'no exit status')})"
     return [f"{RANK_PREFIX} {r['rank']} {where(r)}: died without a message{how(int(r['rank']))}; "
             f"{which}, mpiexec stopped the others" for r in same]
+
+
+def _break_tie(same: list[dict], status: dict[int, str]) -> list[dict]:
+    """Exits too close to order: hydra SIGKILLs the survivors (status "killed by signal 9", or 0
+    when it reaped them first), so a rank that exited on its own with an error code is the one
+    that died; failing that, the only one a signal killed; failing that, the order stands."""
+    def code(r: dict) -> str:
+        return status.get(int(r["rank"]), "")
+    for pick in ([r for r in same if code(r).startswith("exit code") and code(r) != "exit code 0"],
+                 [r for r in same if code(r).startswith("killed")]):
+        if len(pick) == 1:
+            return pick
+    return same
 
 
 def _op(p: dict) -> str:
