@@ -50,8 +50,10 @@ def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] 
     ``status``: exit statuses by rank (None: unknown, e.g. to a watcher that is not the parent)."""
     t_first, _ = silent[0]
     same = [r for t, r in silent if t - t_first < 0.002]
-    if len(same) > 1 and status:
-        same = _break_tie(same, status)
+    if status:
+        # exit times are stamped when a watcher thread wakes, which a loaded machine can delay by
+        # more than the gap between a death and hydra's kill of the others: the statuses decide first
+        same = _break_tie([r for _, r in silent], status) or same
     which = "it was the first rank to exit" if len(same) == 1 else "one of the first ranks to exit"
 
     def how(rank: int) -> str:
@@ -60,17 +62,18 @@ def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] 
             f"{which}, mpiexec stopped the others" for r in same]
 
 
-def _break_tie(same: list[dict], status: dict[int, str]) -> list[dict]:
-    """Exits too close to order: hydra SIGKILLs the survivors (status "killed by signal 9", or 0
-    when it reaped them first), so a rank that exited on its own with an error code is the one
-    that died; failing that, the only one a signal killed; failing that, the order stands."""
+def _break_tie(ranks: list[dict], status: dict[int, str]) -> list[dict]:
+    """The one rank that died, from hydra's exit statuses, if they tell: hydra SIGKILLs the
+    survivors (status "killed by signal 9", or 0 when it reaped them first), so a rank that exited
+    on its own with an error code is the one; failing that, the only one a signal killed; else
+    nothing (the exit times decide)."""
     def code(r: dict) -> str:
         return status.get(int(r["rank"]), "")
-    for pick in ([r for r in same if code(r).startswith("exit code") and code(r) != "exit code 0"],
-                 [r for r in same if code(r).startswith("killed")]):
+    for pick in ([r for r in ranks if code(r).startswith("exit code") and code(r) != "exit code 0"],
+                 [r for r in ranks if code(r).startswith("killed")]):
         if len(pick) == 1:
             return pick
-    return same
+    return []
 
 
 def _op(p: dict) -> str:

@@ -82,7 +82,11 @@ def test_rank_failure_names_rank_device_op(tmp_path, baseline_s, mode, k, rank):
     if mode == "raise":
         assert "fault injected" in msg
     if mode == "kill":
-        assert "killed by signal 9" in msg and "first rank to exit" in msg
+        # hydra SIGKILLs the survivors within a millisecond or two: the same status, and exit
+        # times a loaded machine cannot always order. The dead rank must be named (above); the
+        # report may say it tied with another rather than claim an order it cannot see.
+        assert "killed by signal 9" in msg
+        assert "it was the first rank to exit" in msg or "one of the first ranks to exit" in msg
     if mode == "exit":
         assert "exit code 3" in msg
     assert secs < baseline_s + SLACK_S, f"took {secs:.1f} s (clean run {baseline_s:.1f} s)"
