@@ -140,6 +140,27 @@ def _assert_nothing_left(tmp_path: Path, tree: dict[int, str], sid: int, shm: se
     assert not temp, f"temp directories left behind: {temp}"
 
 
+def _signal_once_running(proc: subprocess.Popen, pattern: str, sig: signal.Signals, *, group: bool = False):
+    """Wait until both ranks are in the step, note the job's processes and shm segments, send
+    ``sig`` (to the process group with ``group``, as a terminal's Ctrl-C does) and wait for the
+    end: ``(out, err, seconds to stop, process tree, shm segments)``."""
+    try:
+        recs = _wait_for(proc, pattern, 2, "step")
+        tree = _tree(proc.pid)
+        shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
+        assert shm, "the ranks map no MPICH segment"
+        t0 = time.monotonic()
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=30)
+        return out, err, time.monotonic() - t0, tree, shm
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _partir_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("partir-emu")]
 
@@ -151,21 +172,8 @@ def test_signal_to_self_launched_run(tmp_path, sig):
     and its temp dir, and says so in one line (SIGINT goes to the process group, as Ctrl-C)."""
     proc = subprocess.Popen([str(EXE), *RUN, "--devices", "2"], env=_env(tmp_path, "rank:1:op:0:hang"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        recs = _wait_for(proc, str(tmp_path / "partir-emu-mpi-*" / "progress" / "rank-*.json"), 2, "step")
-        tree = _tree(proc.pid)
-        shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
-        assert shm, "the ranks map no MPICH segment"
-        t0 = time.monotonic()
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            os.kill(proc.pid, sig)
-        out, err = proc.communicate(timeout=30)
-        secs = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err, secs, tree, shm = _signal_once_running(
+        proc, str(tmp_path / "partir-emu-mpi-*" / "progress" / "rank-*.json"), sig, group=sig == signal.SIGINT)
     assert secs < STOP_S, f"took {secs:.1f} s to stop"
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert "Traceback" not in err + out, err
@@ -184,18 +192,7 @@ def test_signal_to_users_mpiexec(tmp_path, sig):
     proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1"],
                             env=_env(tmp_path, "rank:1:op:0:hang"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        recs = _wait_for(proc, str(tmp_path / "partir-emu-ranks-*" / "rank-*.json"), 2, "step")
-        tree = _tree(proc.pid)
-        shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
-        assert shm, "the ranks map no MPICH segment"
-        t0 = time.monotonic()
-        os.kill(proc.pid, sig)
-        out, err = proc.communicate(timeout=30)
-        secs = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err, secs, tree, shm = _signal_once_running(proc, str(tmp_path / "partir-emu-ranks-*" / "rank-*.json"), sig)
     assert secs < STOP_S, f"took {secs:.1f} s to stop"
     assert "Traceback" not in err + out, err
     if sig == signal.SIGHUP:
