@@ -201,7 +201,7 @@ class _Lowerer:
             self.actual[o], self.local[o] = s, lv
             outs.append(lv)
         params = localize_params(e, ins, outs)
-        self.eqns.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source))
+        self.eqns.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source, e.kernel))
 
 
 def localize_params(e: Eqn, ins, outs) -> dict:

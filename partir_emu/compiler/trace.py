@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,7 +124,8 @@ class _Builder:
         self.consts.append((v, np.array(arr)))
         return v
 
-    def inline(self, jaxpr, consts: Sequence[Any], args: Sequence[Var | Literal], outer: str = "") -> list[Var | Literal]:
+    def inline(self, jaxpr, consts: Sequence[Any], args: Sequence[Var | Literal], outer: str = "",
+               outer_stack: str = "") -> list[Var | Literal]:
         env: dict[Any, Var | Literal] = {}
         for cv, c in zip(jaxpr.constvars, consts):
             env[cv] = self.const(c)
@@ -145,10 +147,11 @@ class _Builder:
                     raise UnsupportedPrimitiveError(f"call primitive {name!r} at {_where(e) or outer} has no body "
                                                     "to inline")
                 where = _where(e) or outer
+                stack = _stack(e, outer_stack)
                 if hasattr(body, "jaxpr"):  # ClosedJaxpr
-                    results = self.inline(body.jaxpr, body.consts, ins, where)
+                    results = self.inline(body.jaxpr, body.consts, ins, where, stack)
                 else:
-                    results = self.inline(body, [], ins, where)
+                    results = self.inline(body, [], ins, where, stack)
                 for ov, o in zip(e.outvars, results):
                     env[ov] = o
                 continue
@@ -161,10 +164,31 @@ class _Builder:
                     f"partir_emu.primitives (the traceable ones: partir_emu.primitives.names(traceable=True))")
             params = {k: normalize_param(v) for k, v in e.params.items() if k not in _DROP}
             outs = [self.new_var(ov.aval) for ov in e.outvars]
-            self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, where))
+            self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, where,
+                                 _kernel(_stack(e, outer_stack))))
             for ov, o in zip(e.outvars, outs):
                 env[ov] = o
         return [read(x) for x in jaxpr.outvars]
+
+
+_KERNEL = re.compile(r"kernel:([A-Za-z0-9_.-]+)")
+
+
+def _stack(e, outer: str) -> str:
+    """An equation's full name stack: a nested jaxpr's stacks are relative to its call's."""
+    own = str(getattr(e.source_info, "name_stack", ""))
+    return f"{outer}/{own}" if outer else own
+
+
+def _kernel(stack: str) -> str:
+    """The hand-fused kernel of an equation with name stack ``stack``: the innermost ``kernel:NAME``
+    (``jax.named_scope``), as ``NAME/bwd`` when the gradient made it (under ``transpose(``, and not
+    in a rematerialised forward recomputation), else ""."""
+    found = _KERNEL.findall(stack)
+    if not found:
+        return ""
+    tail = stack.rsplit("rematted_computation", 1)[-1]
+    return found[-1] + ("/bwd" if "transpose(" in tail else "")
 
 
 def _where(e) -> str:

@@ -90,13 +90,20 @@ Atom = Var | Literal
 
 @dataclass(frozen=True, slots=True)
 class Eqn:
-    """``outputs = prim[params](*inputs)``; ``source`` says where it was traced from."""
+    """``outputs = prim[params](*inputs)``; ``source`` says where it was traced from.
+
+    ``kernel`` names the hand-fused kernel the equation belongs to, if any: the user marks a
+    region with ``jax.named_scope("kernel:NAME")`` (as code that calls a flash-attention or fused
+    softmax kernel would); the tracer records ``NAME``, or ``NAME/bwd`` for the equations its
+    gradient produced. It never changes what the equation computes: only the cost models read it
+    (a marked region is priced as one fused kernel, see ``hwmodels.fusion``)."""
 
     prim: str
     inputs: tuple[Atom, ...]
     outputs: tuple[Var, ...]
     params: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
+    kernel: str = ""
 
     def __str__(self) -> str:
         outs = ", ".join(f"{o}:{o.type_str()}" for o in self.outputs)

@@ -142,7 +142,8 @@ class SpmdProgram:
             "consts": [{"var": var(v), "data": base64.b64encode(np.ascontiguousarray(c).tobytes()).decode()}
                        for v, c in p.consts],
             "eqns": [{"prim": e.prim, "in": [atom(a) for a in e.inputs], "out": [var(o) for o in e.outputs],
-                      "params": _jsonable(dict(e.params)), "source": e.source} for e in p.eqns],
+                      "params": _jsonable(dict(e.params)), "source": e.source,
+                       **({"kernel": e.kernel} if e.kernel else {})} for e in p.eqns],
             "outputs": [{"atom": atom(a), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
                         for a, n, s, g in zip(p.outputs, p.output_names, self.out_shardings, self.global_out_shapes)],
             "meta": self.meta,
@@ -176,7 +177,7 @@ class SpmdProgram:
             for e in d["eqns"]:
                 ins = tuple(atom(a) for a in e["in"])
                 outs = tuple(mk(o) for o in e["out"])
-                eqns.append(Eqn(e["prim"], ins, outs, _untuple(e["params"]), e.get("source", "")))
+                eqns.append(Eqn(e["prim"], ins, outs, _untuple(e["params"]), e.get("source", ""), e.get("kernel", "")))
             prog = Program(inputs, tuple(i["name"] for i in d["inputs"]), tuple(eqns),
                            tuple(atom(o["atom"]) for o in d["outputs"]), tuple(o["name"] for o in d["outputs"]),
                            tuple(consts))
