@@ -28,7 +28,7 @@ from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPa
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 
-Config = dict[str, int]
+Config = dict[str, Any]      # size name -> int (sizes, 0/1 switches) or str (choices, e.g. precision="bf16")
 Strategy = Callable[..., list[ManualPartition]]
 
 MODEL_AXIS = "model"
@@ -51,6 +51,10 @@ class ParamKind:
     mp_dim: int | None = None
 
 
+# (cfg or None for the static defaults, size of the model axis or 1) -> the kinds of that config
+KindsFn = Callable[[Config | None, int], Sequence[ParamKind]]
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -64,11 +68,19 @@ class Scenario:
     make_params: Callable[[Config, np.random.Generator], dict]
     make_batch: Callable[[Config, np.random.Generator], dict]
     param_count: Callable[[Config], int]        # closed-form formula
-    param_kinds: tuple[ParamKind, ...]
+    # model FLOPs of one training step (forward + backward, no recomputation, no elementwise
+    # FLOPs): the numerator of MFU; each scenario's docstring states its formula
+    model_flops: Callable[[Config], int]
+    param_kinds: tuple[ParamKind, ...]          # the default config's kinds (see param_kinds_for)
     strategies: Mapping[str, Strategy] = field(default_factory=dict)
     check_config: Callable[[Config], None] | None = None
     default_preset: str = "tiny"
     flag_names: tuple[str, ...] = ()            # sizes that are 0/1 switches (e.g. remat)
+    choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # string sizes -> allowed values
+    # fills sizes whose default depends on others (after overrides, before check_config)
+    complete_config: Callable[[Config], Config] | None = None
+    # the parameter kinds of a config on a model axis of that size, when they depend on it
+    param_kinds_for: KindsFn | None = None
 
     # -- inputs ----------------------------------------------------------------------------
     def make_inputs(self, cfg: Config, seed: int = 0) -> tuple[dict, dict, dict]:
@@ -189,6 +201,9 @@ def resolve_size(scenario: Scenario | str, preset: str, overrides: str | Mapping
         if name not in sc.size_names:
             raise ScenarioError(f"scenario {sc.name!r} has no size {name!r}; "
                                 f"valid names: {', '.join(sc.size_names)}")
+        if name in sc.choices:
+            cfg[name] = _as_choice(sc, name, raw)
+            continue
         if name in sc.flag_names:
             value = {"0": 0, "1": 1, 0: 0, 1: 1}.get(raw.strip() if isinstance(raw, str) else raw)
             if value is None or isinstance(raw, bool):
@@ -201,9 +216,21 @@ def resolve_size(scenario: Scenario | str, preset: str, overrides: str | Mapping
             raise ScenarioError(f"size {name!r} of scenario {sc.name!r} must be a positive integer, got {raw!r}; "
                                 f"valid names: {', '.join(sc.size_names)}")
         cfg[name] = value
+    if sc.complete_config is not None:
+        cfg = sc.complete_config(cfg)
     if sc.check_config is not None:
         sc.check_config(cfg)
     return cfg
+
+
+def _as_choice(sc: Scenario, name: str, raw: Any) -> str:
+    """A string size: one of ``sc.choices[name]`` (an int is read as its decimal string)."""
+    allowed = sc.choices[name]
+    value = str(raw).strip() if isinstance(raw, (str, int, np.integer)) and not isinstance(raw, bool) else None
+    if value not in allowed:
+        raise ScenarioError(f"{name!r} of scenario {sc.name!r} must be one of {'|'.join(allowed)}, got {raw!r}; "
+                            f"write e.g. {name}={allowed[0]}")
+    return value
 
 
 def _as_positive_int(raw: Any) -> int | None:
@@ -241,6 +268,21 @@ def adam_init(params: Any) -> dict:
     import jax.numpy as jnp
     return {"mu": jax.tree.map(jnp.zeros_like, params), "nu": jax.tree.map(jnp.zeros_like, params),
             "count": jnp.zeros((), jnp.int32)}
+
+
+def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False) -> Any:
+    """``(params, opt, batch) -> (loss, new_params, new_opt)``: value_and_grad of ``loss_fn`` then
+    :func:`adam_update`; with ``grads_only`` stopped before the optimizer: ``-> (loss, grads)``."""
+    import jax
+
+    def step(params, opt, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if grads_only:
+            return loss, grads
+        new_params, new_opt = adam_update(grads, opt, params, lr=lr)
+        return loss, new_params, new_opt
+
+    return step
 
 
 def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: float = 0.9,
@@ -306,7 +348,7 @@ def _kind_shapes(scenario_param_shapes: dict, kinds: Sequence[ParamKind]) -> dic
     return out
 
 
-def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence[ParamKind],
+def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence[ParamKind] | KindsFn,
                    param_shapes: Callable[[Config], dict], batch_patterns: Sequence[str] = ("batch/*",),
                    batch_size: Callable[[Config], int] = lambda c: c["batch"],
                    check_mp: Callable[[Config, int], None] | None = None) -> list[ManualPartition]:
@@ -325,6 +367,9 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
       the product of the axes on it falls back to the largest divisible dim
       (lowest index on ties, never the model dim of a matrix); a parameter with
       no such dim stays replicated on that axis. Scalars are never sharded.
+
+    ``kinds`` may be a function ``(cfg, model axis size) -> kinds`` when which parameters exist,
+    and which of them Megatron shards, depend on the config (``cfg=None``: the static defaults).
     """
     parts = name.split("+")
     unknown = [p for p in parts if p not in ("bp", "mp", "z2", "z3", "auto")]
@@ -337,6 +382,8 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
     _check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_auto)
     daxes = data_axes(mesh)
+    if callable(kinds):
+        kinds = tuple(kinds(cfg, mesh.axis_size(MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1))
     shapes = _kind_shapes(param_shapes(cfg), kinds) if cfg is not None else None
     tactics: list[ManualPartition] = []
 
@@ -417,7 +464,7 @@ def _zero_dim(kind: ParamKind, use_mp: bool, size: int, tiled: dict[int, int],
 STRATEGY_NAMES = ("bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z2", "bp+mp+z3", "bp+auto")
 
 
-def make_strategies(kinds: Sequence[ParamKind], param_shapes: Callable[[Config], dict], *,
+def make_strategies(kinds: Sequence[ParamKind] | KindsFn, param_shapes: Callable[[Config], dict], *,
                     check_mp: Callable[[Config, int], None] | None = None,
                     names: Sequence[str] = STRATEGY_NAMES) -> dict[str, Strategy]:
     """``{name: strategy(mesh, cfg=None) -> list[ManualPartition]}`` for the standard names."""

@@ -12,6 +12,12 @@ Parameter count (closed form, :func:`param_count`)::
 
     layers * (d_in*hidden + hidden) + (layers-1) * (hidden*d_in + d_in) + hidden*d_out + d_out
 
+Model FLOPs of one training step (:func:`model_flops`, the numerator of MFU): ``6 * N * batch``
+with ``N`` the parameters that take part in matmuls (the weight matrices; biases are elementwise),
+i.e. 2 FLOPs per weight per example forward and 4 backward; no elementwise FLOPs::
+
+    N = layers*d_in*hidden + (layers-1)*hidden*d_in + hidden*d_out
+
 Presets: ``tiny`` (emulation, 1,880 params), ``small`` (emulation, 494,016),
 ``full`` (simulation only, 1,073,905,664 ≈ 1.07 B params).
 
@@ -24,7 +30,7 @@ import math
 
 import numpy as np
 
-from scenarios.common import Config, ParamKind, Scenario, adam_update, make_strategies
+from scenarios.common import Config, ParamKind, Scenario, make_strategies, train_step
 
 SIZE_NAMES = ("batch", "d_in", "hidden", "d_out", "layers")
 
@@ -70,6 +76,11 @@ def param_count(cfg: Config) -> int:
     return L * (d * h + h) + (L - 1) * (h * d + d) + h * o + o
 
 
+def model_flops(cfg: Config) -> int:
+    L, d, h, o = cfg["layers"], cfg["d_in"], cfg["hidden"], cfg["d_out"]
+    return 6 * (L * d * h + (L - 1) * h * d + h * o) * cfg["batch"]
+
+
 def make_params(cfg: Config, rng: np.random.Generator) -> dict:
     out = {}
     for i, shapes in enumerate(param_shapes(cfg).values()):
@@ -98,7 +109,6 @@ def gelu(x):
 def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
     """The training step ``(params, opt, batch) -> (loss, new_params, new_opt)``; with
     ``grads_only`` the same step stopped before the optimizer: ``-> (loss, grads)``."""
-    import jax
     import jax.numpy as jnp
 
     layers = cfg["layers"]
@@ -114,14 +124,7 @@ def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
         err = x - batch["y"]
         return jnp.mean(err * err)
 
-    def step(params, opt, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        if grads_only:
-            return loss, grads
-        new_params, new_opt = adam_update(grads, opt, params, lr=lr)
-        return loss, new_params, new_opt
-
-    return step
+    return train_step(loss_fn, lr=lr, grads_only=grads_only)
 
 
 SCENARIO = Scenario(
@@ -136,8 +139,9 @@ SCENARIO = Scenario(
     make_params=make_params,
     make_batch=make_batch,
     param_count=param_count,
+    model_flops=model_flops,
     param_kinds=PARAM_KINDS,
     strategies=make_strategies(PARAM_KINDS, param_shapes),
 )
 
-__all__ = ["SCENARIO", "PRESETS", "SIZE_NAMES", "param_count", "param_shapes", "make_step"]
+__all__ = ["SCENARIO", "PRESETS", "SIZE_NAMES", "param_count", "model_flops", "param_shapes", "make_step"]
