@@ -12,6 +12,7 @@ make their own copy).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -24,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from partir_emu.api import Lowered, lower_program, trace
-from partir_emu.app.verdict import Verdict, judge, judge_strict, reduction_length
+from partir_emu.app.verdict import UNIT_ROUNDOFF, Verdict, compute_precision, judge, judge_strict, reduction_length
+from partir_emu.core.dtypes import array_files, restored
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
@@ -98,6 +100,15 @@ class Experiment:
         input signature, so float32 and float64 calls each compile once)."""
         return _jax().jit(self.make_step())
 
+    @functools.cached_property
+    def high_precision_step(self) -> Any:
+        """The step the float64 reference runs: a ``precision=bf16`` configuration's casts to
+        bfloat16 would still round under x64, so its reference is the same step with
+        ``precision=f32`` (no casts), run in float64; otherwise the step itself."""
+        if self.cfg.get("precision", "f32") == "f32":
+            return self.jitted_step
+        return _jax().jit(self.scenario.make_step({**self.cfg, "precision": "f32"}, grads_only=self.strict))
+
     def reference(self, inputs: Sequence[np.ndarray] | None = None, *, x64: bool = False) -> list[np.ndarray]:
         """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs; with ``x64`` in float64
         (float inputs cast up, jax's 64-bit mode on for this call only)."""
@@ -108,7 +119,7 @@ class Experiment:
         treedef = jax.tree_util.tree_structure(self.scenario.abstract_inputs(self.cfg))
         args = jax.tree_util.tree_unflatten(treedef, flat)
         with jax.enable_x64(x64):
-            out = self.jitted_step(*args)
+            out = (self.high_precision_step if x64 else self.jitted_step)(*args)
             return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
 
     def references(self, inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -120,9 +131,15 @@ class Experiment:
         """The verdict on a run's global outputs (see :mod:`partir_emu.app.verdict`); ``refs`` from
         :meth:`references` when they were computed earlier (e.g. while MPI ranks started)."""
         base, ref64 = refs if refs is not None else self.references(inputs)
-        if self.strict:
+        precision = compute_precision(self.program)
+        low = UNIT_ROUNDOFF[precision] > UNIT_ROUNDOFF["float32"]
+        if self.strict and not low:
             return judge_strict(outputs, base, names)
-        return judge(outputs, base, ref64, names, reduction_length(self.program))
+        ver = judge(outputs, base, ref64, names, reduction_length(self.program), precision=precision)
+        if self.strict:   # rtol 1e-5 elementwise is below bfloat16's resolution (2^-8): normwise instead
+            return dataclasses.replace(ver, criterion=f"normwise vs float64, relative to jax.jit (--strict on a "
+                                                      f"{precision} program: loss and gradients)")
+        return ver
 
 
 @dataclass(frozen=True)
@@ -198,11 +215,11 @@ def load_inputs_npz(path: str | os.PathLike, names: Sequence[str]) -> list[np.nd
     """Inputs from an ``.npz`` (no pickles): keys = input names, or ``arr_0 …`` in input order."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            keys = list(z.keys())
+            keys = array_files(z)   # bfloat16 arrays come back with their dtype (core.dtypes.storable)
             if all(n in keys for n in names):
-                return [z[n] for n in names]
+                return [restored(z, n) for n in names]
             if all(f"arr_{i}" in keys for i in range(len(names))):
-                return [z[f"arr_{i}"] for i in range(len(names))]
+                return [restored(z, f"arr_{i}") for i in range(len(names))]
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:   # not an npz, truncated, ...
         raise ArgumentError(f"--inputs {path}: cannot read it as an .npz without pickles ({exc})") from None
     missing = [n for n in names if n not in keys][:5]

@@ -6,7 +6,10 @@ hosting the group. With several members on a rank, the rank first combines
 its members locally (sums their inputs, or packs their blocks) and the
 counts/displacements route each block to its member. Sums are in the MPI
 library's order, not a schedule's: results equal the schedule executor's up to
-rounding. The entry point is :meth:`partir_emu.collectives.mpi.MpiCollectives.run_native`.
+rounding. A dtype without a predefined MPI datatype (bfloat16) takes :func:`_native_raw`: MPI
+moves its bits and reductions run in numpy in group order, bit-identical to LocalMesh ``'direct'``
+(MPI's built-in SUM cannot add bfloat16, and a user-defined ``MPI.Op`` would sum in the library's
+bracketing, which differs between algorithms and rank counts). The entry point is :meth:`partir_emu.collectives.mpi.MpiCollectives.run_native`.
 """
 from __future__ import annotations
 
@@ -84,6 +87,43 @@ def mpi_dtype(dtype: np.dtype) -> MPI.Datatype:
     return mdt
 
 
+def has_mpi_dtype(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` has a predefined MPI datatype (bfloat16 and the other ml_dtypes have none)."""
+    try:
+        mpi_dtype(dtype)
+    except CollectiveError:
+        return False
+    return True
+
+
+def _native_raw(kind: str, sub: MPI.Intracomm, op: str, bufs: list[np.ndarray], mine: tuple[int, ...],
+                hosted: tuple[tuple[int, ...], ...], p: int, timeout_s: float | None,
+                regular: bool) -> dict[int, np.ndarray]:
+    """A native collective of a dtype MPI has no datatype for (bfloat16): the MPI library moves
+    the bits as unsigned ints of the same width; a reduction gathers every member's input
+    (``Iallgather``) and reduces them in numpy in group order, so the result is
+    :func:`partir_emu.collectives.semantics.reference`'s (LocalMesh ``'direct'``) bit for bit,
+    each addition rounded to the dtype (bfloat16 sums round at every step, as NCCL's do)."""
+    dtype = bufs[0].dtype
+    raw_t = np.dtype(f"u{dtype.itemsize}")
+    raw = [b.view(raw_t) for b in bufs]
+    mdt = mpi_dtype(raw_t)
+    wait_what = lambda: f"native {kind} of {dtype} (as {raw_t}) over {sub.Get_size()} ranks"
+    if kind == "all_to_all":
+        out = _all_to_all(sub, raw, mine, hosted, p, mdt, timeout_s, regular, wait_what)
+        return {pos: x.view(dtype) for pos, x in out.items()}
+    gathered = _all_gather(sub, raw, mine, hosted, p, mdt, timeout_s, regular, wait_what)
+    full = next(iter(gathered.values())).view(dtype)
+    if kind == "all_gather":
+        return {pos: x.view(dtype) for pos, x in gathered.items()}
+    size = bufs[0].size
+    total = functools.reduce(REDUCE_OPS[op], full.reshape(p, size))
+    if kind == "all_reduce":
+        return {pos: total.copy() for pos in mine}
+    b = size // p
+    return {pos: total[pos * b:(pos + 1) * b].copy() for pos in mine}
+
+
 def check_header(sub: MPI.Intracomm, kind: str, op: str, size: int, dtype: np.dtype, group_devices: list[int],
                  ranks: tuple[int, ...], timeout_s: float | None) -> None:
     """Raise CollectiveError unless every rank of ``sub`` issues the same native collective."""
@@ -107,6 +147,8 @@ def native(kind: str, sub: MPI.Intracomm, op: str, bufs: list[np.ndarray], mine:
     With one member per rank in rank order (the common case) the inputs go to MPI as they are and
     the received buffer is the output (all_reduce receives into a ``scratch`` buffer kept between
     calls and copies out: measured faster with MPICH than receiving into a fresh buffer)."""
+    if not has_mpi_dtype(bufs[0].dtype):
+        return _native_raw(kind, sub, op, bufs, mine, hosted, p, timeout_s, regular)
     mdt = mpi_dtype(bufs[0].dtype)
     wait_what = lambda: f"native {kind} over {sub.Get_size()} ranks"
     if kind == "all_reduce":

@@ -12,6 +12,12 @@ all_to_all             member ``j``: block ``j`` (along ``split_dim``) of every 
 collective_permute     member ``d``: the input of ``s`` for each pair ``(s, d)``, else zeros
 =====================  ==========================================================================
 
+Reduction precision: a reduction adds in the operands' dtype, each addition rounded to it. For
+bfloat16 that is what NCCL and TPU ICI reductions do (every hop of a ring rounds to bfloat16;
+ml_dtypes adds in float32 and rounds), so a bfloat16 all_reduce over ``p`` members carries up to
+``p - 1`` bfloat16 roundings, in the order of the algorithm's schedule. Every executor (local,
+MPI schedules, MPI ``native`` for bfloat16) uses this one meaning.
+
 On flat buffers (every dim 0) this is what a schedule computes; the in-process
 mesh's ``'direct'`` algorithm runs it on the operands as they are.
 """

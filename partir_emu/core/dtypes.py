@@ -33,3 +33,50 @@ def np_dtype(name: str) -> np.dtype:
 def is_float(dt: np.dtype) -> bool:
     """True for numpy floats and the ml_dtypes floats (bfloat16, float8_*)."""
     return dt.kind == "f" or "float" in dt.name
+
+
+def is_low_float(dt: np.dtype) -> bool:
+    """A float narrower than float32 (bfloat16, float16, float8_*). CPUs have no arithmetic for
+    these: XLA CPU computes each op in float32 and rounds its result to the narrow type, and the
+    numpy impls do the same (ml_dtypes' own ufuncs already round after each op)."""
+    return is_float(dt) and dt.itemsize < 4
+
+
+# -- arrays in files: ml_dtypes arrays are saved by numpy as raw void ('|V2'); store a name ----------
+DTYPES_KEY = "__dtypes__"   # .npz entry: JSON {key: dtype name} for the arrays stored as raw bits
+
+
+def storable(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` ready for ``np.savez`` without pickles: an ml_dtypes array (``dtype.kind == 'V'``)
+    is stored as unsigned ints of its width and its dtype name goes to the ``DTYPES_KEY`` entry."""
+    import json  # why: only writers of files need it
+    out: dict[str, np.ndarray] = {}
+    names: dict[str, str] = {}
+    for k, x in arrays.items():
+        x = np.asarray(x)
+        if x.dtype.kind == "V" and x.dtype.fields is None:
+            names[k] = x.dtype.name
+            x = np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
+        out[k] = x
+    if names:
+        out[DTYPES_KEY] = np.asarray(json.dumps(names))
+    return out
+
+
+def restored(z: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
+    """Entry ``key`` of an .npz written from :func:`storable`, with its ml_dtypes dtype back."""
+    x = z[key]
+    if DTYPES_KEY in z.files:
+        import json  # why: only readers of files need it
+        name = json.loads(str(z[DTYPES_KEY][()])).get(key)
+        if name is not None:
+            dt = np_dtype(name)
+            if dt.itemsize != x.dtype.itemsize:
+                raise EmulationError(f"array {key!r} is stored as {x.dtype} but named {name}: the file is corrupt")
+            x = x.view(dt)
+    return x
+
+
+def array_files(z: np.lib.npyio.NpzFile) -> list[str]:
+    """The array entries of an .npz from :func:`storable` (without ``DTYPES_KEY``)."""
+    return [k for k in z.files if k != DTYPES_KEY]

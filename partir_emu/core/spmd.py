@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.ir import Eqn, Literal, Program, Var, nbytes
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
@@ -171,7 +172,7 @@ class SpmdProgram:
             consts = []
             for c in d["consts"]:
                 v = mk(c["var"])
-                arr = np.frombuffer(base64.b64decode(c["data"]), dtype=np.dtype(v.dtype)).reshape(v.shape).copy()
+                arr = np.frombuffer(base64.b64decode(c["data"]), dtype=np_dtype(v.dtype)).reshape(v.shape).copy()
                 consts.append((v, arr))
             eqns = []
             for e in d["eqns"]:

@@ -1,5 +1,8 @@
 """dot_general: batch dims shared, free dims to the result, contracting dims reduce.
 
+bfloat16 / float16 operands are multiplied and summed in float32 and the result rounded to the
+output dtype (round-to-nearest-even), which is what XLA CPU does with them.
+
 Cost ``2·batch·M·N·K`` FLOPs at the matrix unit's rate (kind ``matmul``).
 """
 from __future__ import annotations
@@ -9,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.core.dtypes import np_dtype
+from partir_emu.core.dtypes import is_low_float, np_dtype
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
@@ -57,6 +60,10 @@ def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any,
     rt = np.transpose(rhs, (*rb, *rc, *rf)).reshape(b, csize, n)
     if lt.dtype == np.bool_:  # a bool contraction is an "or" of "and"s
         out = np.matmul(lt.astype(np.int32), rt.astype(np.int32)) != 0
+    elif is_low_float(lt.dtype) or is_low_float(rt.dtype):
+        # as XLA CPU: products summed in float32 (BLAS), rounded once to the output dtype by the
+        # interpreter; numpy's own bfloat16 matmul has no BLAS and is orders of magnitude slower
+        out = np.matmul(lt.astype(np.float32), rt.astype(np.float32))
     else:
         out = np.matmul(lt, rt)
     return out.reshape((*bshape, *lfs, *rfs))

@@ -5,6 +5,14 @@ as lax allows for rank-equal operands, gets a factor of its own); pending sums p
 linear ones. numpy impls with ``jax.lax`` semantics (the interpreter casts each result to the
 equation's dtype, so an impl may compute in a wider type: ``erf`` computes in float64). Cost:
 1 FLOP per output element, except the copies and conversions, which are memory ops.
+
+bfloat16 / float16: each op is computed in float32 and rounded to the narrow type (ml_dtypes'
+ufuncs do that, as XLA CPU does); ``integer_pow`` multiplies as jax lowers it (square and
+multiply, each product rounded) and ``rsqrt`` rounds once. ``convert_element_type`` to bfloat16
+rounds to nearest even (ml_dtypes' cast). With these, single bfloat16 ops equal jax.jit on CPU
+bit for bit (tests/test_bf16_runtime.py); ``erf``/``erfc`` computed in float64 and rounded once
+agree as well on the values tested. Chains can still differ by a bfloat16 ulp where XLA keeps a
+fused intermediate in float32 without rounding it (seen: the argument of ``erfc`` in exact GELU).
 """
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.core.dtypes import is_float, np_dtype
+from partir_emu.core.dtypes import is_float, is_low_float, np_dtype
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
@@ -78,9 +86,31 @@ def _logistic(x: np.ndarray, **_: Any) -> np.ndarray:
 
 
 def _integer_pow(x: np.ndarray, y: int, **_: Any) -> np.ndarray:
-    if y >= 0 or is_float(x.dtype):
-        return np.power(x, y) if y >= 0 else np.asarray(1, x.dtype) / np.power(x, -y)
+    x = np.asarray(x)
+    if is_float(x.dtype):  # jax's lowering: square-and-multiply, each product rounded to x's dtype
+        acc = _pow_by_squaring(x, abs(y))
+        return acc if y >= 0 else np.asarray(1, x.dtype) / acc
+    if y >= 0:
+        return np.power(x, y)
     return np.power(x.astype(np.float64), y)
+
+
+def _pow_by_squaring(x: np.ndarray, y: int) -> np.ndarray:
+    acc: np.ndarray | None = None
+    while y > 0:
+        if y & 1:
+            acc = x if acc is None else acc * x
+        y >>= 1
+        if y:
+            x = x * x
+    return np.ones_like(x) if acc is None else acc
+
+
+def _rsqrt(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    if is_low_float(x.dtype):  # one float32 rsqrt rounded once (as XLA), not a rounded sqrt then a division
+        x = x.astype(np.float32)
+    return np.asarray(1, x.dtype) / np.sqrt(x)
 
 
 def _pow(x: Any, y: Any, **_: Any) -> np.ndarray:
@@ -165,7 +195,7 @@ IMPLS: dict[str, Impl] = {
     "erf": _unary(erf64),
     "erfc": _unary(erfc64),
     "erf_inv": _unary(erf_inv64),
-    "rsqrt": _unary(lambda x: np.asarray(1, x.dtype) / np.sqrt(x)),
+    "rsqrt": _unary(_rsqrt),
     "sqrt": _unary(np.sqrt),
     "cbrt": _unary(np.cbrt),
     "abs": _unary(np.abs),

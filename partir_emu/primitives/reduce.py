@@ -3,6 +3,12 @@
 Rules: tiling a summed dim makes the result partial; the reduced dim of max/min/argmax/prod,
 a scanned dim and a sorted dim are blocked (each device would need the whole row). Costs:
 1 FLOP per input element (``n·⌈log2 n⌉`` per row for sort), kind ``reduction``.
+
+A bfloat16 ``reduce_sum`` accumulates in bfloat16, as XLA CPU does (each add in float32, rounded),
+in XLA's tree order (:func:`_tree_sum_low`); jnp.sum/mean upcast bfloat16 to float32 themselves, so
+this order matters for the sums lax emits directly (the transposes of broadcasts in gradients).
+A bfloat16 ``cumsum`` adds left to right rounding each step; XLA CPU lowers it as jax's
+associative scan (another order), so it agrees to bfloat16 rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.core.dtypes import np_dtype
+from partir_emu.core.dtypes import is_low_float, np_dtype
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
@@ -45,6 +51,48 @@ def _reduce(f: Callable[..., np.ndarray], keep_dtype: bool = False) -> Callable[
     return impl
 
 
+_XLA_WINDOW = 32   # XLA CPU's TreeReductionRewriter window
+
+
+def _reduce_sum(x: np.ndarray, *, axes: Sequence[int], **_: Any) -> np.ndarray:
+    x = np.asarray(x)
+    if is_low_float(x.dtype):
+        return _tree_sum_low(x, tuple(axes))
+    return np.sum(x, axis=tuple(axes), dtype=x.dtype)   # XLA accumulates in the operand's type (numpy widens ints)
+
+
+def _tree_sum_low(x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """A bfloat16/float16 sum as XLA CPU computes it: every addition in float32 rounded back to
+    the narrow type (the accumulator IS bfloat16), in the order of XLA's tree-reduction rewrite:
+    while a reduced dim has size >= 32, every such dim is padded with zeros to a multiple of 32
+    (half the padding in front) and summed in windows of 32 (a dim under 32 is one window; window
+    elements in row-major order); the last window sums are summed in row-major order."""
+    axes = tuple(sorted(a % x.ndim for a in axes))
+    keep = [d for d in range(x.ndim) if d not in axes]
+    x = np.transpose(x, keep + list(axes))
+    k, w = len(keep), _XLA_WINDOW
+    kshape = x.shape[:k]
+    while any(n >= w for n in x.shape[k:]):
+        rshape = x.shape[k:]
+        pads = [-n % w if n >= w else 0 for n in rshape]
+        x = np.pad(x, [(0, 0)] * k + [(p // 2, p - p // 2) for p in pads])
+        split = [((n + p) // w, w) if n >= w else (1, n) for n, p in zip(rshape, pads)]
+        x = x.reshape(*kshape, *(s for pair in split for s in pair))
+        r = len(rshape)
+        x = np.transpose(x, list(range(k)) + [k + 2 * i for i in range(r)] + [k + 2 * i + 1 for i in range(r)])
+        x = _sequential_sum(x.reshape(*x.shape[:k + r], -1))
+    return _sequential_sum(x.reshape(*kshape, -1))
+
+
+def _sequential_sum(x: np.ndarray) -> np.ndarray:
+    """Sum over the last axis, left to right from 0, rounding to ``x``'s dtype after each add."""
+    dt = x.dtype
+    acc = np.zeros(x.shape[:-1], np.float32)
+    for i in range(x.shape[-1]):
+        acc = (acc + x[..., i].astype(np.float32)).astype(dt).astype(np.float32)
+    return acc.astype(dt)
+
+
 def _reduce_logical(ufunc: np.ufunc) -> Callable[..., np.ndarray]:
     def impl(x: np.ndarray, *, axes: Sequence[int], **_: Any) -> np.ndarray:
         return ufunc.reduce(x, axis=tuple(axes))
@@ -67,7 +115,7 @@ def _cumulative(f: Callable[[np.ndarray, int], np.ndarray]) -> Callable[..., np.
 
 
 _RULE_AND_IMPL: dict[str, tuple[Callable[[Eqn], FactorRule], Callable[..., Any]]] = {
-    "reduce_sum": (reduce_rule, _reduce(np.sum, keep_dtype=True)),
+    "reduce_sum": (reduce_rule, _reduce_sum),
     "reduce_prod": (reduce_rule, _reduce(np.prod, keep_dtype=True)),
     "reduce_max": (reduce_rule, _reduce(np.max)),
     "reduce_min": (reduce_rule, _reduce(np.min)),

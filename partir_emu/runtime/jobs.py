@@ -10,6 +10,10 @@ A JOB is::
      "out": "DIR",                     # rank 0 writes DIR/outputs.npz and DIR/stats.json
      "trace": "FILE.jsonl" | null}     # message trace (partir_emu.core.msgtrace)
 
+Arrays of ml_dtypes types (bfloat16, ...) are stored as unsigned ints of their width with their
+dtype names in a ``__dtypes__`` entry (:func:`partir_emu.core.dtypes.storable`): numpy would save
+them as raw void, which reads back without its dtype.
+
 The inputs file is written by whoever prepares the job (the app layer turns a scenario into
 one), so a rank reads arrays and never imports a model. Each rank cuts its devices' blocks.
 
@@ -31,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from partir_emu.collectives.algorithms import ALGORITHMS
+from partir_emu.core.dtypes import array_files, restored, storable
 from partir_emu.errors import ArtifactError
 
 MPI_ALGORITHMS: tuple[str, ...] = ALGORITHMS + ("native",)    # a job's "algorithm"
@@ -56,7 +61,7 @@ def save_inputs(path: str | os.PathLike, names: Sequence[str], inputs: Sequence[
     """Global inputs for the ranks: one array per program input, keyed by its name."""
     if len(names) != len(inputs):
         raise ArtifactError(f"{len(inputs)} inputs for a program with {len(names)}: {list(names)[:5]}")
-    np.savez(path, **{n: np.asarray(x) for n, x in zip(names, inputs)})
+    np.savez(path, **storable({n: np.asarray(x) for n, x in zip(names, inputs)}))
 
 
 def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarray]:
@@ -65,7 +70,7 @@ def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarra
         with np.load(path, allow_pickle=False) as z:
             missing = [n for n in names if n not in z.files]
             if not missing:
-                return [z[n] for n in names]
+                return [restored(z, n) for n in names]
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot read the job's inputs {path} as an .npz without pickles ({exc})") from None
     raise ArtifactError(f"the job's inputs {path} lack the program inputs {missing[:5]}"
@@ -75,7 +80,7 @@ def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarra
 def write_job_result(job: dict[str, Any], outputs: Sequence[np.ndarray], stats: dict[str, Any]) -> None:
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / "outputs.npz", **{f"out_{j}": x for j, x in enumerate(outputs)})
+    np.savez(out / "outputs.npz", **storable({f"out_{j}": x for j, x in enumerate(outputs)}))
     (out / "stats.json").write_text(json.dumps(stats))
 
 
@@ -83,5 +88,5 @@ def read_job_result(job: dict[str, Any]) -> dict[str, Any]:
     """``{"outputs": [...], "stats": {...}}`` written by rank 0 for ``job``."""
     out = Path(job["out"])
     with np.load(out / "outputs.npz", allow_pickle=False) as z:
-        outputs = [z[f"out_{j}"] for j in range(len(z.files))]
+        outputs = [restored(z, f"out_{j}") for j in range(len(array_files(z)))]
     return {"outputs": outputs, "stats": json.loads((out / "stats.json").read_text())}
