@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import tomllib
 
 from partir_emu.core.ir import Eqn, Literal, Program, Var
 from partir_emu.core.mesh import Mesh
@@ -14,6 +15,7 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import UnsupportedPrimitiveError
 from partir_emu.hwmodels import cost_rules, load_spec, peak_memory, simulate
 from partir_emu.hwmodels.costs import eqn_cost
+from partir_emu.hwmodels.specs import DATA_DIR, spec_from_dict
 
 REL = 1e-9
 MM = (((1,), (0,)), ((), ()))
@@ -48,9 +50,21 @@ class Builder:
                            tuple(v.shape for v in self.inputs), tuple(o.shape for o in outputs))
 
 
+def unfused(name: str, overrides: dict | None = None):
+    """A packaged spec without its [compiler] and [efficiency] tables: every equation priced alone at 100 %
+    of peak (the plain roofline these tests pin; fusion and efficiency are tested in test_hw_fusion.py)."""
+    with open(DATA_DIR / f"{name}.toml", "rb") as f:
+        data = tomllib.load(f)
+    data.pop("compiler"), data.pop("efficiency")
+    for key, value in (overrides or {}).items():
+        table, _, fld = key.partition(".")
+        data[table][fld] = value
+    return spec_from_dict(data, name)
+
+
 # -- roofline -------------------------------------------------------------------------------------
 def test_matmul_roofline_compute_bound():
-    spec = load_spec("tpu-v4")
+    spec = unfused("tpu-v4")
     b = Builder()
     x, w = b.input("x", (4096, 4096), "bfloat16"), b.input("params/w", (4096, 4096), "bfloat16")
     y = b.eq("dot_general", (x, w), (4096, 4096), "bfloat16", dimension_numbers=MM)
@@ -60,11 +74,12 @@ def test_matmul_roofline_compute_bound():
     assert r.hbm_traffic_bytes == 3 * 4096 * 4096 * 2
     assert r.step_s == pytest.approx(flops / 275e12, rel=REL)
     assert r.by_op_kind["matmul"]["count"] == 1 and r.comm_s == 0.0
-    assert r.mfu == pytest.approx(1.0, rel=REL)
+    assert r.hfu == pytest.approx(1.0, rel=REL) and r.mfu is None
+    assert simulate(b.build([y]), spec, model_flops=flops / 2).mfu == pytest.approx(0.5, rel=REL)
 
 
 def test_matmul_roofline_memory_bound_f32_on_gpu():
-    spec = load_spec("h100")
+    spec = unfused("h100")
     b = Builder()
     x, w = b.input("x", (8, 4096)), b.input("params/w", (4096, 4096))
     y = b.eq("dot_general", (x, w), (8, 4096), dimension_numbers=MM)
@@ -83,7 +98,7 @@ def test_batched_dot_general_flops():
 
 
 def test_elementwise_roofline():
-    spec = load_spec("h100")
+    spec = unfused("h100")
     n = 1 << 20
     b = Builder()
     x, y = b.input("x", (n,)), b.input("y", (n,))
@@ -97,7 +112,7 @@ def test_elementwise_roofline():
     assert r.by_prim["add"] == {"count": 1, "time_s": pytest.approx(12 * n / 3.35e12, rel=REL),
                                 "flops": n, "bytes": 12 * n}
     # a compute-bound elementwise op: make the vector unit the bottleneck
-    slow = load_spec("h100", {"chip.vector_flops_per_s": 1e9})
+    slow = unfused("h100", {"chip.vector_flops_per_s": 1e9})
     assert simulate(b.build([u]), slow).step_s == pytest.approx(3 * n / 1e9, rel=REL)
 
 

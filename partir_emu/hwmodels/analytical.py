@@ -3,14 +3,19 @@
 ``simulate(spmd, spec)`` walks the per-device program once (an interpreter over
 equations, like every other pass):
 
-- a compute equation takes ``max(flops / rate, hbm_bytes / hbm_bw)`` (roofline;
-  ``costs.cost_rules`` gives FLOPs and bytes; matmuls run at the chip's peak for
-  their dtype, other ops at ``vector_flops_per_s``);
+- compute equations are grouped into the kernels the chip's compiler would form
+  (:mod:`.fusion`, from the spec's ``[compiler]`` table); a kernel takes
+  ``max(matmul + vector time, boundary bytes / achieved HBM bw)`` plus any launch
+  overhead, at the achievable fractions of ``[efficiency]`` (:mod:`.efficiency`),
+  all on its last equation (the others take 0). ``costs.cost_rules`` gives each
+  equation's FLOPs and unfused bytes. In ``by_op_kind`` and ``by_prim`` a kernel's
+  time and bytes count under its dominant equation (its dot, else its last
+  reduction, else its last elementwise op); counts are of equations;
 - a communicating collective takes the price of its algorithm's schedule on the
   placed topology (``comm.CommModel``);
-- without overlap the step is the sum of both; with ``overlap=True`` a list
-  schedule with one compute stream and one communication stream, each in program
-  order, respecting data dependencies;
+- without overlap the step is the sum of both; with ``overlap=True`` the schedule
+  of :mod:`.overlap`: asynchronous collectives on one communication stream, issued
+  by need (ZeRO-3 gathers prefetched within ``prefetch_bytes``), compute in program order;
 - peak memory per device from buffer liveness (``memory.peak_memory``).
 
 The per-program analysis (FLOPs, bytes, liveness, dependencies) does not depend
@@ -34,7 +39,9 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram, collective_bytes
 from partir_emu.hwmodels.comm import CollectiveCost, CommModel, PriceCache
 from partir_emu.hwmodels.costs import KINDS, cost_rules, eqn_cost, op_kind
+from partir_emu.hwmodels.fusion import FusionCache, eqn_times
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
+from partir_emu.hwmodels.overlap import OverlapPlan, Schedule, build_plan, overlap_memory, schedule
 from partir_emu.hwmodels.placement import Placement, place
 from partir_emu.hwmodels.specs import MATMUL_16BIT_DTYPES, HardwareSpec, SpecLoader
 
@@ -84,14 +91,16 @@ class SimReport:
     by_prim: dict[str, dict[str, float]]
     by_collective: dict[str, dict[str, float]]
     by_axes: dict[str, dict[str, float]]
-    mfu: float                      # flops_per_device / (step_s * bf16 peak)
+    hfu: float                      # matmul FLOPs per device (recompute included) / (step_s * bf16 peak)
+    mfu: float | None               # model_flops / (step_s * bf16 peak); None when no model_flops was given
+    fusion: dict[str, float]        # kernels, fused groups, hand kernels, bytes saved (fusion.FusionPlan.summary)
     collectives: tuple[CollectiveRow, ...] = field(repr=False)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
             "spec", "topology", "placement", "mesh", "num_devices", "overlap", "step_s", "compute_s", "comm_s",
             "exposed_comm_s", "flops_per_device", "hbm_traffic_bytes", "peak_bytes_per_device", "hbm_bytes",
-            "fits", "memory", "peak_at", "mfu", "by_op_kind", "by_prim", "by_collective", "by_axes")}
+            "fits", "memory", "peak_at", "hfu", "mfu", "fusion", "by_op_kind", "by_prim", "by_collective", "by_axes")}
         d["collectives"] = [r.to_json() for r in self.collectives]
         return d
 
@@ -106,6 +115,9 @@ class SimReport:
                  f"step {_t(self.step_s)}  = compute {_t(self.compute_s)} + comm {_t(self.comm_s)}"
                  + (f" (overlap on, exposed comm {_t(self.exposed_comm_s)})" if self.overlap else ""),
                  f"flops/device {self.flops_per_device:.3g}   HBM traffic {self.hbm_traffic_bytes / 1e9:.3g} GB",
+                 f"HFU {100 * self.hfu:.1f}%   MFU " + (f"{100 * self.mfu:.1f}%" if self.mfu is not None
+                                                      else "- (no model FLOPs given)"),
+                 _fusion_line(self.fusion),
                  f"peak memory {self.peak_bytes_per_device / gib:.3f} GiB of {self.hbm_bytes / gib:.3f} GiB"
                  f" -> {'fits' if self.fits else 'DOES NOT FIT'}",
                  "  " + "  ".join(f"{k} {v / gib:.3f}" for k, v in self.memory.items() if v), ""]
@@ -131,6 +143,12 @@ class SimReport:
     __str__ = table
 
 
+def _fusion_line(f: Mapping[str, float]) -> str:
+    return (f"fusion: {int(f['kernels'])} kernels ({int(f['fused_groups'])} fused groups, "
+            f"{int(f['hand_kernels'])} hand-fused), HBM bytes {f['fused_bytes'] / 1e9:.3g} GB "
+            f"(unfused {f['unfused_bytes'] / 1e9:.3g} GB, saved {f['bytes_saved'] / 1e9:.3g} GB)")
+
+
 def _t(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
 
@@ -154,6 +172,7 @@ class ProgramCosts:
     comm_keys: tuple[tuple[str, tuple[str, ...], int, str], ...]   # distinct (prim, axes, nbytes, dtype), first seen first
     comm_inverse: np.ndarray     # for each entry of ``comm``: its index in ``comm_keys``
     is_comm: np.ndarray          # per equation: a communicating collective?
+    fusion: FusionCache          # the groups the chip's compiler forms, per compiler variant (built on demand)
 
 
 _KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
@@ -192,22 +211,25 @@ def analyze(program: Program) -> ProgramCosts:
     comm_index = np.array([c[0] for c in comm], dtype=np.int64)
     is_comm = np.zeros(n, dtype=bool)
     is_comm[comm_index] = True
-    pc = ProgramCosts(np.array(flops), np.array(byts), np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
+    flops_arr, bytes_arr = np.array(flops), np.array(byts)
+    pc = ProgramCosts(flops_arr, bytes_arr, np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
                       np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm), peak_memory(program),
-                      comm_index, tuple(keys), np.array(inverse, dtype=np.int64), is_comm)
+                      comm_index, tuple(keys), np.array(inverse, dtype=np.int64), is_comm,
+                      FusionCache(program, flops_arr, bytes_arr))
     return pc
 
 
 # -- what repeated evaluations reuse ------------------------------------------------------------------
 class _Analysis:
-    """One program's analysis, and its dependencies once the overlap schedule asked for them."""
+    """One program's analysis, and its dependencies and overlap plan once something asked for them."""
 
-    __slots__ = ("program", "costs", "deps")
+    __slots__ = ("program", "costs", "deps", "plan")
 
     def __init__(self, program: Program, costs: ProgramCosts) -> None:
         self.program = program
         self.costs = costs
         self.deps: tuple[tuple[int, ...], ...] | None = None
+        self.plan: OverlapPlan | None = None
 
 
 class Analyzer:
@@ -260,6 +282,13 @@ class Analyzer:
             e.deps = dependencies(program)
         return e.deps
 
+    def overlap_plan(self, program: Program) -> OverlapPlan:
+        """The time-independent part of the overlap schedule (:func:`.overlap.build_plan`), computed once."""
+        e = self._entry(program)
+        if e.plan is None:
+            e.plan = build_plan(program, e.costs.is_comm, self.dependencies(program))
+        return e.plan
+
     def spec(self, spec: HardwareSpec | str) -> HardwareSpec:
         return self.specs.load(spec)
 
@@ -285,7 +314,8 @@ class Analyzer:
     def simulate(self, spmd: SpmdProgram, spec: HardwareSpec | str,
                  placement: Placement | str | Mapping | None = None, overlap: bool = False, *,
                  algorithms: str | dict[str, str] | None = None,
-                 slice_dims: tuple[int, ...] | None = None) -> SimReport:
+                 slice_dims: tuple[int, ...] | None = None, prefetch_bytes: int | None = None,
+                 model_flops: float | None = None) -> SimReport:
         """As the module's :func:`simulate`, with what this analyzer keeps."""
         spec = self.spec(spec)
         placement = self.placement(spmd.mesh, spec, placement, slice_dims)
@@ -299,27 +329,37 @@ class Analyzer:
             times[pc.comm_index] = np.array([c.time_s for c in costs])[pc.comm_inverse]
         compute_s = float(times[~is_comm].sum())
         comm_s = float(times[is_comm].sum())
+        mem = pc.memory
         if overlap:
-            step_s, starts = _overlap_schedule(times, is_comm, self.dependencies(spmd.program))
-            comm_starts = [starts[i] for i in pc.comm_index.tolist()]
+            plan = self.overlap_plan(spmd.program)
+            sched = _overlap_schedule(plan, times, prefetch_bytes)
+            step_s, comm_starts = sched.step_s, sched.start
+            mem = overlap_memory(plan, spmd.program, mem, sched)
         else:
             step_s = compute_s + comm_s
             comm_starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))[pc.comm_index].tolist() if pc.comm else []
         rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, s0)
                 for (i, prim, axes, nbytes, _), c, s0 in zip(pc.comm, (costs[k] for k in pc.comm_inverse.tolist()),
                                                               comm_starts)]
-        by_kind, by_prim, by_coll, by_axes = _breakdowns(pc, times, costs)
-        mem = pc.memory
+        fplan = pc.fusion.plan(spec.compiler)
+        # a fused group's time and bytes are reported under its dominant equation (FusionPlan.rep)
+        rep_t, rep_b = np.zeros(len(times)), np.zeros(len(times))
+        rep_t[fplan.rep] = times[fplan.last]
+        rep_b[fplan.rep] = fplan.bytes
+        by_kind, by_prim, by_coll, by_axes = _breakdowns(pc, rep_t, rep_b, costs)
         flops_total = float(pc.flops.sum())
+        peak_s = step_s * spec.flops_bf16_per_s
         return SimReport(
             spec=spec.name, topology=placement.topology.describe(), placement=placement.describe(),
             mesh=str(spmd.mesh), num_devices=spmd.mesh.size, overlap=overlap, step_s=float(step_s),
             compute_s=compute_s, comm_s=comm_s, exposed_comm_s=float(step_s) - compute_s,
-            flops_per_device=flops_total, hbm_traffic_bytes=float(pc.bytes.sum()),
+            flops_per_device=flops_total, hbm_traffic_bytes=float(fplan.bytes.sum()),
             peak_bytes_per_device=mem.peak_bytes, hbm_bytes=spec.hbm_bytes, fits=mem.peak_bytes <= spec.hbm_bytes,
             memory=dict(mem.breakdown), peak_at=mem.peak_at, by_op_kind=by_kind, by_prim=by_prim,
             by_collective=by_coll, by_axes=by_axes,
-            mfu=flops_total / (step_s * spec.flops_bf16_per_s) if step_s > 0 else 0.0, collectives=tuple(rows))
+            hfu=float(fplan.dot_flops.sum()) / peak_s if peak_s > 0 else 0.0,
+            mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
+            fusion=fplan.summary(float(pc.bytes.sum())), collectives=tuple(rows))
 
 
 DEFAULT_ANALYZER = Analyzer()
@@ -330,27 +370,35 @@ evaluations of a program stay cheap without any setup. Pass your own to own what
 # -- the simulator ------------------------------------------------------------------------------------
 def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
              overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
-             slice_dims: tuple[int, ...] | None = None, analyzer: Analyzer | None = None) -> SimReport:
+             slice_dims: tuple[int, ...] | None = None, analyzer: Analyzer | None = None,
+             prefetch_bytes: int | None = None, model_flops: float | None = None) -> SimReport:
     """Predict one step of ``spmd`` on ``spec`` hardware.
 
     ``placement``: a :class:`Placement`, a mapping string such as ``"model=x,batch=yz"`` (or dict), or
     ``None`` for the default placement; ``slice_dims`` picks a TPU slice shape. ``algorithms`` overrides
     the collective algorithm, for all kinds (a name) or per kind (``{"all_reduce": "ring"}``).
-    ``analyzer`` keeps analyses, prices and placements between calls (default :data:`DEFAULT_ANALYZER`)."""
+    ``analyzer`` keeps analyses, prices and placements between calls (default :data:`DEFAULT_ANALYZER`).
+    ``prefetch_bytes``: with overlap, the ZeRO-3 all-gather bytes in flight ahead of need (default:
+    one FSDP unit, :mod:`.overlap`; 0: gather on demand); the peak memory counts them.
+    ``model_flops``: the model's FLOPs per device per step (``Scenario.model_flops``: 6·N per token plus
+    attention, no recompute); gives ``mfu`` (else ``None``). ``hfu`` counts the program's matmul FLOPs."""
     return (analyzer if analyzer is not None else DEFAULT_ANALYZER).simulate(
-        spmd, spec, placement, overlap, algorithms=algorithms, slice_dims=slice_dims)
+        spmd, spec, placement, overlap, algorithms=algorithms, slice_dims=slice_dims, prefetch_bytes=prefetch_bytes,
+        model_flops=model_flops)
 
 
-def _breakdowns(pc: ProgramCosts, times: np.ndarray, costs: list[CollectiveCost]) -> tuple[dict, ...]:
-    """Time, count, FLOPs and bytes by op kind and by primitive; time, count and bytes by collective
-    kind and by mesh axes."""
+def _breakdowns(pc: ProgramCosts, times: np.ndarray, byts: np.ndarray, costs: list[CollectiveCost]
+                ) -> tuple[dict, ...]:
+    """Time, count, FLOPs and bytes by op kind and by primitive (``times`` and ``byts`` per equation, a
+    fused group's on its dominant equation; counts are of equations); time, count and bytes by
+    collective kind and by mesh axes."""
     nk = len(KINDS)
-    ksums = [np.bincount(pc.kind, weights=w, minlength=nk).tolist() for w in (None, times, pc.flops, pc.bytes)]
+    ksums = [np.bincount(pc.kind, weights=w, minlength=nk).tolist() for w in (None, times, pc.flops, byts)]
     by_kind = {name: {"count": int(ksums[0][k]), "time_s": ksums[1][k], "flops": ksums[2][k], "bytes": ksums[3][k]}
                for k, name in enumerate(KINDS) if ksums[0][k]}
     m = len(pc.prim_names)
     sums = [np.bincount(pc.prim_index, weights=w, minlength=m).tolist()
-            for w in (None, times, pc.flops, pc.bytes)]
+            for w in (None, times, pc.flops, byts)]
     by_prim = {name: {"count": int(sums[0][j]), "time_s": sums[1][j], "flops": sums[2][j], "bytes": sums[3][j]}
                for j, name in enumerate(pc.prim_names)}
     by_coll: dict[str, dict[str, float]] = {}
@@ -366,31 +414,13 @@ def _breakdowns(pc: ProgramCosts, times: np.ndarray, costs: list[CollectiveCost]
 
 
 def compute_times(pc: ProgramCosts, spec: HardwareSpec) -> np.ndarray:
-    """Seconds of every equation on one chip of ``spec`` by its roofline (a fresh array; the DES reuses it)."""
-    rates = np.array([spec.flops_bf16_per_s, spec.flops_f32_per_s, spec.vector_flops_per_s])
-    return np.maximum(pc.flops / rates[pc.rate_class], pc.bytes / spec.hbm_bw_bytes_per_s)
+    """Seconds of every equation on one chip of ``spec`` (a fresh array; the DES reuses it): the fused
+    groups of ``spec.compiler`` priced by ``hwmodels.fusion`` (a group's time on its last equation, zero
+    on its other equations). A spec without a ``[compiler]`` table prices every equation alone."""
+    return eqn_times(pc.fusion.plan(spec.compiler), spec)
 
 
-def _overlap_schedule(times: np.ndarray, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...]
-                      ) -> tuple[float, list[float]]:
-    """One compute and one communication stream, each in program order; an equation starts when its
-    stream is free and its producers have finished. Returns (makespan, start time of each equation)."""
-    n = len(times)
-    finish = [0.0] * n
-    starts = [0.0] * n
-    free = [0.0, 0.0]
-    tl = times.tolist()
-    cl = is_comm.tolist()
-    end = 0.0
-    for i in range(n):
-        s = free[cl[i]]
-        for j in deps[i]:
-            if finish[j] > s:
-                s = finish[j]
-        f = s + tl[i]
-        starts[i] = s
-        finish[i] = f
-        free[cl[i]] = f
-        if f > end:
-            end = f
-    return end, starts
+def _overlap_schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None) -> Schedule:
+    """The overlapped step (:func:`.overlap.schedule`): collectives asynchronous on one communication
+    stream, issued by need, ZeRO-3 gathers prefetched within ``prefetch_bytes``; compute in program order."""
+    return schedule(plan, times, prefetch_bytes)

@@ -14,11 +14,18 @@ named ``params/...``), ``optimizer`` (``opt/...``, ``opt_state/...``),
 communicating collectives), ``temporaries`` (results of the peak equation and
 values it consumes for the last time) and ``activations`` (everything else);
 they sum to ``peak_bytes``.
+
+With overlap (:mod:`.overlap`) the chip's schedule moves the prefetched ZeRO-3 all-gathers ahead:
+:func:`prefetch_peak` adds each prefetched gather's output from the equation that was running when
+the gather started to its place in the program (from there program order counts it already), and
+its breakdown adds ``prefetch_buffers``. Every other buffer keeps its program-order lifetime.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from partir_emu.core.analysis import liveness
 from partir_emu.core.ir import Program, Var
@@ -35,7 +42,8 @@ class MemoryProfile:
     peak_bytes: int
     peak_at: int                      # equation index of the peak point; -1 = start
     breakdown: dict[str, int]         # at the peak point, by CATEGORIES
-    live_bytes: tuple[int, ...] = field(repr=False)   # at start, then at each equation
+    live_bytes: tuple[int, ...] = field(repr=False)   # at start, then at each equation (program order;
+                                                      # empty for a schedule's profile, prefetch_peak)
     input_bytes: int = 0              # inputs + constants
 
     def to_json(self) -> dict:
@@ -56,21 +64,51 @@ def peak_memory(program: Program | SpmdProgram) -> MemoryProfile:
     """Liveness-based peak bytes per device (see the module docstring for the exact convention)."""
     prog = program.program if isinstance(program, SpmdProgram) else program
     lv = liveness(prog)
-    size = {v.id: nbytes_of(v) for v in lv.initial}
-    live = input_bytes = sum(size.values())
+    size = _sizes(prog, lv.initial)
+    live = input_bytes = sum(size[v.id] for v in lv.initial)
     points = [live]
     live -= sum(size[v.id] for v in lv.at_start)
     peak, peak_at = input_bytes, -1
     for i, (e, gone) in enumerate(zip(prog.eqns, lv.after)):
         for o in e.outputs:
-            size[o.id] = b = nbytes_of(o)
-            live += b
+            live += size[o.id]
         points.append(live)
         if live > peak:
             peak, peak_at = live, i
         for v in gone:
             live -= size[v.id]
     return MemoryProfile(peak, peak_at, _breakdown(prog, peak_at, lv.last_use, size), tuple(points), input_bytes)
+
+
+def _sizes(prog: Program, initial: tuple[Var, ...]) -> dict[int, int]:
+    size = {v.id: nbytes_of(v) for v in initial}
+    for e in prog.eqns:
+        for o in e.outputs:
+            size[o.id] = nbytes_of(o)
+    return size
+
+
+def breakdown_at(program: Program, at: int) -> dict[str, int]:
+    """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start)."""
+    lv = liveness(program)
+    return _breakdown(program, at, lv.last_use, _sizes(program, lv.initial))
+
+
+def prefetch_peak(live: np.ndarray, first: np.ndarray, last: np.ndarray, nbytes: np.ndarray
+                  ) -> tuple[int, int, int]:
+    """Peak of ``live`` (bytes at the start point, then at each equation: ``MemoryProfile.live_bytes``)
+    when buffer ``k`` of ``nbytes[k]`` bytes is also live at equations ``first[k] .. last[k] - 1``.
+    Returns ``(peak bytes, peak equation (-1: start), the added bytes there)``."""
+    n = len(live)
+    keep = first < last
+    if keep.any():
+        w = nbytes[keep]
+        extra = np.cumsum(np.bincount(first[keep] + 1, w, n) - np.bincount(last[keep] + 1, w, n))[:n]
+        total = live + extra
+    else:
+        extra, total = np.zeros(n), live
+    k = int(np.argmax(total))
+    return int(total[k]), k - 1, int(extra[k])
 
 
 def _breakdown(prog: Program, at: int, last: Mapping[int, int], size: dict[int, int]) -> dict[str, int]:

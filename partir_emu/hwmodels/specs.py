@@ -15,6 +15,9 @@ A spec file has a top-level ``name``, ``kind`` (``"tpu"`` or ``"gpu"``) and
                  GPU: ``kind = "nvswitch"``, ``fabric`` (``fat_tree`` | ``rail_optimized``),
                  ``nodes_per_leaf`` (fat tree), ``nodes_per_su`` (rail-optimized scalable unit),
                  ``max_nodes``.
+``[compiler]``, ``[efficiency]`` (optional): how the chip's compiler fuses and what fraction of
+                 each peak it reaches; see :mod:`partir_emu.hwmodels.efficiency` (without them:
+                 no fusion, 100 % of every peak).
 
 Beside every number ``X`` a string ``X_source`` says where it comes from.
 
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from partir_emu.errors import SpecError
+from partir_emu.hwmodels.efficiency import CompilerSpec, EfficiencySpec, parse_compiler, parse_efficiency
 
 try:
     import tomllib
@@ -64,6 +68,7 @@ _SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
                      "nodes_per_leaf": ("int", True), "nodes_per_su": ("int", True), "max_nodes": ("int", True)},
     },
 }
+_OPTIONAL_TABLES = ("compiler", "efficiency")     # validated by hwmodels.efficiency
 _TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False)}
 
 
@@ -118,6 +123,8 @@ class HardwareSpec:
     description: str = ""
     path: str = ""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    compiler: CompilerSpec = CompilerSpec()
+    efficiency: EfficiencySpec = EfficiencySpec()
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak matrix rate for operands of ``dtype`` (16-bit floats and ints: bf16 rate; others: f32)."""
@@ -128,6 +135,8 @@ class HardwareSpec:
         return {"name": self.name, "kind": self.kind, "flops_bf16_per_s": self.flops_bf16_per_s,
                 "flops_f32_per_s": self.flops_f32_per_s, "vector_flops_per_s": self.vector_flops_per_s,
                 "hbm_bytes": self.hbm_bytes, "hbm_bw_bytes_per_s": self.hbm_bw_bytes_per_s, "network": net,
+                "compiler": dict(vars(self.compiler)),
+                "efficiency": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.efficiency).items()},
                 "path": self.path}
 
     def __str__(self) -> str:
@@ -245,10 +254,10 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
     top = _check_table(data, _TOP, where, "", allow_tables=True)
     kind = top["kind"]
     schema = _SCHEMA[kind]
-    extra = [k for k, v in data.items() if isinstance(v, dict) and k not in schema]
+    extra = [k for k, v in data.items() if isinstance(v, dict) and k not in schema and k not in _OPTIONAL_TABLES]
     if extra:
         raise SpecError(f"{where}: unknown table [{extra[0]}] for a {kind} spec; "
-                        f"expected tables {', '.join('[' + t + ']' for t in schema)}")
+                        f"expected tables {', '.join('[' + t + ']' for t in (*schema, *_OPTIONAL_TABLES))}")
     vals: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
     for table, fields in schema.items():
@@ -286,7 +295,9 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
                              topo["nodes_per_leaf"], topo["nodes_per_su"], topo["max_nodes"])
     return HardwareSpec(top["name"], kind, chip["flops_bf16_per_s"], chip["flops_f32_per_s"], chip["hbm_bytes"],
                         chip["hbm_bw_bytes_per_s"], chip.get("vector_flops_per_s", chip["flops_f32_per_s"]), net,
-                        top.get("description", ""), where, sources)
+                        top.get("description", ""), where, sources,
+                        compiler=parse_compiler(data.get("compiler"), where),
+                        efficiency=parse_efficiency(data.get("efficiency"), where))
 
 
 def _check_table(sub: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]], where: str, prefix: str,

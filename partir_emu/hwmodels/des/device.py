@@ -11,11 +11,14 @@ order). The op stream is compiled once into a list of actions:
 
 Without overlap a collective is ``Ready(c), Wait(c)`` at its place in the program
 (everything sequential, as ``analytical.simulate(overlap=False)``). With overlap
-the compute stream runs ahead and only waits where it reads a collective's output,
-like the analytical overlap schedule. A collective's **gate** opens for a device
-when all its prerequisites have fired there: its ``Ready``, the collectives that
-produce its input, and the collective ``comm_streams`` places earlier (a stream
-runs one collective at a time).
+the device runs the schedule the analytical model decided (:mod:`..overlap`, as a
+chip runs the order its compiler fixed): ``Ready(c)`` where the compute stream
+reaches ``ready_pos[c]`` (ZeRO-3 gathers: where the prefetch budget lets them go),
+``Wait(c)`` at its first real consumer, and the collectives in the schedule's
+issue order. A collective's **gate** opens for a device when all its prerequisites
+have fired there: its ``Ready``, the collectives that produce its input, and the
+collective ``comm_streams`` places earlier in issue order (a stream runs one
+collective at a time).
 
 **SPMD symmetry.** Every device runs the same program with the same local shapes,
 so devices whose timelines are identical need not be simulated one by one: a
@@ -40,6 +43,7 @@ import simpy
 from partir_emu.core.analysis import dependencies
 from partir_emu.core.ir import Program
 from partir_emu.hwmodels.des.protocols import CollectiveOpener, ComputeSink
+from partir_emu.hwmodels.overlap import OverlapPlan, Schedule
 
 COMPUTE, READY, WAIT = 0, 1, 2
 
@@ -62,73 +66,80 @@ class OpStream:
 
 
 def compile_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, overlap: bool,
-                   comm_streams: int = 1) -> OpStream:
-    """The actions of one device's op stream (see the module docstring)."""
-    eqns = program.eqns
+                   comm_streams: int = 1, plan: OverlapPlan | None = None, sched: Schedule | None = None
+                   ) -> OpStream:
+    """The actions of one device's op stream (see the module docstring); with overlap, ``plan`` and
+    ``sched`` are the overlap schedule's decisions (:func:`..overlap.schedule` on the same program)."""
+    if overlap:
+        if plan is None or sched is None:
+            raise ValueError("compile_stream(overlap=True) needs the overlap plan and schedule")
+        return _overlap_stream(program, is_comm, times, comm_streams, plan, sched)
     comm_eqns = tuple(int(i) for i in np.flatnonzero(is_comm))
     cpos = {e: c for c, e in enumerate(comm_eqns)}
-    compute_prod = [-1] * len(comm_eqns)       # last compute equation producing c's inputs
-    coll_prods: list[set[int]] = [set() for _ in comm_eqns]
-    reads: list[list[int]] = [[] for _ in eqns]   # collectives each compute equation reads
-    for i, prods in enumerate(dependencies(program)):
-        if i in cpos:
-            c = cpos[i]
-            for j in prods:
-                if j in cpos:
-                    coll_prods[c].add(cpos[j])
-                else:
-                    compute_prod[c] = max(compute_prod[c], j)
-        else:
-            reads[i] = sorted({cpos[j] for j in prods if j in cpos})
+    deps = dependencies(program)
     prereqs = []
-    for c in range(len(comm_eqns)):
-        pre = set(coll_prods[c])
+    for c, e in enumerate(comm_eqns):          # the collectives producing c's input, and c's stream predecessor
+        pre = {cpos[j] for j in deps[e] if j in cpos}
         if c >= comm_streams:
             pre.add(c - comm_streams)
         prereqs.append(tuple(sorted(pre)))
+    acts, run, flush = _compute_runs(program, times)
+    for i in range(len(program.eqns)):
+        if i in cpos:
+            flush()
+            acts += [Action(READY, cpos[i]), Action(WAIT, cpos[i])]
+        else:
+            run.append(i)
+    flush()
+    return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
 
+
+def _compute_runs(program: Program, times: np.ndarray) -> tuple[list[Action], list[int], object]:
+    """An action list, a run of pending compute equations and the ``flush`` that turns it into one
+    ``Compute`` action (what dominates it names it in the trace)."""
+    eqns = program.eqns
     acts: list[Action] = []
     run: list[int] = []
 
     def flush() -> None:
         if run:
             ts = times[run]
-            name = eqns[run[int(np.argmax(ts))]].prim if len(run) else ""
+            name = eqns[run[int(np.argmax(ts))]].prim
             acts.append(Action(COMPUTE, dur=float(ts.sum()), first=run[0], last=run[-1],
                                name=name if len(run) == 1 else f"{name}+{len(run) - 1}"))
             run.clear()
+    return acts, run, flush
 
-    if not overlap:
-        for i in range(len(eqns)):
-            if i in cpos:
-                flush()
-                acts += [Action(READY, cpos[i]), Action(WAIT, cpos[i])]
-            else:
-                run.append(i)
-        flush()
-        return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
 
-    ready_after: dict[int, list[int]] = {}
-    for c, j in enumerate(compute_prod):
-        ready_after.setdefault(j, []).append(c)
-    waited: set[int] = set()
-    acts += [Action(READY, c) for c in ready_after.get(-1, [])]
-    for i in range(len(eqns)):
-        if i in cpos:
-            continue
-        need = [c for c in reads[i] if c not in waited]
-        if need:
+def _overlap_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, comm_streams: int,
+                    plan: OverlapPlan, sched: Schedule) -> OpStream:
+    """The op stream of the overlap schedule: Ready where the compute stream reaches ``ready_pos``,
+    Wait at the first real consumer, collectives gated by their producers and by the one
+    ``comm_streams`` places earlier in the schedule's issue order."""
+    n = len(program.eqns)
+    C = len(plan.comm_eqns)
+    prereqs = [set(p) for p in plan.coll_prods]
+    for rank, c in enumerate(sched.order):
+        if rank >= comm_streams:
+            prereqs[c].add(sched.order[rank - comm_streams])
+    readies: dict[int, list[int]] = {}
+    for c in sched.order:
+        readies.setdefault(sched.ready_pos[c], []).append(c)
+    waits: dict[int, list[int]] = {}
+    for c, w in enumerate(plan.wait_pos):
+        waits.setdefault(w, []).append(c)
+    acts, run, flush = _compute_runs(program, times)
+    comm = is_comm.tolist()
+    for i in range(n + 1):
+        if i in readies or i in waits:
             flush()
-            for c in need:
-                acts.append(Action(WAIT, c))
-                waited.add(c)
-        run.append(i)
-        if i in ready_after:
-            flush()
-            acts += [Action(READY, c) for c in ready_after[i]]
+            acts += [Action(READY, c) for c in readies.get(i, ())]
+            acts += [Action(WAIT, c) for c in waits.get(i, ())]
+        if i < n and not comm[i]:
+            run.append(i)
     flush()
-    acts += [Action(WAIT, c) for c in range(len(comm_eqns)) if c not in waited]
-    return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
+    assert sum(a.kind == WAIT for a in acts) == C
+    return OpStream(tuple(acts), tuple(int(e) for e in plan.comm_eqns), tuple(tuple(sorted(p)) for p in prereqs))
 
 
 class Devices:

@@ -42,6 +42,7 @@ from partir_emu.hwmodels.des.protocols import Network
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
 from partir_emu.hwmodels.des.routing import DesError, Router, link_factors
 from partir_emu.hwmodels.des.trace_export import Recorder, write_chrome_trace
+from partir_emu.hwmodels.overlap import schedule
 from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.specs import HardwareSpec
 
@@ -110,7 +111,7 @@ class Simulation:
 
     def __init__(self, spmd: SpmdProgram, spec: HardwareSpec, placement: Placement, overlap: bool,
                  algorithms: str | dict[str, str] | None, options: DesOptions,
-                 analyzer: Analyzer | None = None) -> None:
+                 analyzer: Analyzer | None = None, prefetch_bytes: int | None = None) -> None:
         analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
         self.spmd = spmd
         self.spec = spec
@@ -128,9 +129,20 @@ class Simulation:
         pc = analyzer.analysis(spmd.program)
         self.times = compute_times(pc, spec)
         self.comm = pc.comm                                     # (index, prim, axes, nbytes, dtype)
-        self.stream: OpStream = compile_stream(spmd.program, pc.is_comm, self.times, overlap, options.comm_streams)
         C = len(self.comm)
         self.comm_model = CommModel(placement, algorithms, analyzer.prices)
+        plan = sched = None
+        if overlap:
+            # the device runs the order the analytical model's scheduler fixed (as a chip runs its
+            # compiler's schedule), priced with the same collective costs
+            plan = analyzer.overlap_plan(spmd.program)
+            full = self.times.copy()
+            if C:
+                keyed = np.array([self.comm_model.cost(*k).time_s for k in pc.comm_keys])
+                full[pc.comm_index] = keyed[pc.comm_inverse]
+            sched = schedule(plan, full, prefetch_bytes)
+        self.stream: OpStream = compile_stream(spmd.program, pc.is_comm, self.times, overlap, options.comm_streams,
+                                               plan, sched)
         self.factor = np.ones(n)
         for d, f in options.stragglers.items():
             self.factor[d] = f
@@ -270,7 +282,8 @@ class Simulation:
 def simulate_des(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
                  overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
                  slice_dims: tuple[int, ...] | None = None, options: DesOptions | None = None,
-                 trace_path: str | None = None, analyzer: Analyzer | None = None, **kw: Any) -> DesReport:
+                 trace_path: str | None = None, analyzer: Analyzer | None = None, prefetch_bytes: int | None = None,
+                 **kw: Any) -> DesReport:
     """Simulate one step of ``spmd`` on ``spec`` hardware; same arguments as ``analytical.simulate``
     plus :class:`DesOptions` (or its fields as keywords). ``trace_path`` writes a Perfetto trace."""
     analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
@@ -282,7 +295,7 @@ def simulate_des(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placeme
     if trace_path is not None and not options.trace:
         options = DesOptions(**{**options.__dict__, "trace": True})
     placement = analyzer.placement(spmd.mesh, spec, placement, slice_dims)
-    sim = Simulation(spmd, spec, placement, overlap, algorithms, options, analyzer)
+    sim = Simulation(spmd, spec, placement, overlap, algorithms, options, analyzer, prefetch_bytes)
     rep = sim.run()
     if trace_path is not None:
         write_chrome_trace(sim.chrome_trace(), trace_path)
