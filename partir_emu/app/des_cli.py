@@ -14,7 +14,7 @@ from typing import Any
 
 from partir_emu.app import checks
 from partir_emu.app.atomic import atomic_path
-from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
+from partir_emu.app.common import add_experiment_args, add_overlap_args, experiment_from_args, write_report
 from partir_emu.app.phases import Phases
 from partir_emu.app.simulate_cli import parse_algorithms, parse_slice
 from partir_emu.app.validate_cases import get_suite, read_cases, run_suite
@@ -36,7 +36,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate-des", help="simulate one step with the discrete-event model (links, contention)")
     add_experiment_args(p)
     _hardware_args(p)
-    p.add_argument("--overlap", action="store_true", help="overlap compute and communication (as simulate)")
+    add_overlap_args(p)
     p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",
                    help="collective algorithm(s), as for `simulate` (default: as the runtime would choose)")
     p.add_argument("--network", choices=("flow", "chunk"), default="flow",
@@ -134,7 +134,8 @@ def cmd_simulate_des(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         spmd = exp.lower().spmd
         lower_s = time.perf_counter() - t0
-    ana = simulate(spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
+    ana = simulate(spmd, spec, placement, overlap=args.overlap, algorithms=algorithms,
+                   prefetch_bytes=args.prefetch_bytes)
     des = _des_with_trace(spmd, spec, placement, args, algorithms, options)
     err = (ana.step_s - des.step_s) / des.step_s if des.step_s > 0 else 0.0
     rep = {"scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg, "mesh": dict(exp.mesh.axes),
@@ -156,10 +157,11 @@ def _des_with_trace(spmd: Any, spec: Any, placement: Any, args: argparse.Namespa
                     options: DesOptions) -> Any:
     """simulate_des, its Perfetto trace (if asked for) written atomically."""
     if not args.trace:
-        return simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options)
+        return simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options,
+                            prefetch_bytes=args.prefetch_bytes)
     with atomic_path(args.trace) as tmp:
         return simulate_des(spmd, spec, placement, args.overlap, algorithms=algorithms, options=options,
-                            trace_path=tmp)
+                            trace_path=tmp, prefetch_bytes=args.prefetch_bytes)
 
 
 # -- validate -------------------------------------------------------------------------------------------------

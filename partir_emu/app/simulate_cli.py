@@ -13,8 +13,9 @@ import sys
 import time
 
 from partir_emu.app import checks
-from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
+from partir_emu.app.common import add_experiment_args, add_overlap_args, experiment_from_args, write_report
 from partir_emu.app.exits import one_line
+from partir_emu.app.experiment import Experiment
 from partir_emu.app.phases import Phases
 from partir_emu.collectives.algorithms import ALGORITHMS
 from partir_emu.core.spmd import COMM_PRIMS
@@ -34,8 +35,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "default: fill the physical dims in order")
     p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC",
                    help="TPU slice shape, e.g. 8x8x8 (default: derived from the mesh / placement)")
-    p.add_argument("--overlap", action="store_true",
-                   help="overlap independent compute and communication (two streams)")
+    add_overlap_args(p)
     p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",
                    help="collective algorithm for every kind (ring, bidir_ring, recursive, torus, hierarchical, "
                         "direct) or per kind, e.g. all_reduce=ring,all_gather=bidir_ring; default: as the runtime "
@@ -109,10 +109,14 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
         low = exp.lower()
         t1 = time.perf_counter()
         phases.phase("simulating")
-        sim = simulate(low.spmd, spec, placement, overlap=args.overlap, algorithms=algorithms)
+        model_flops = model_flops_per_device(exp)
+        sim = simulate(low.spmd, spec, placement, overlap=args.overlap, prefetch_bytes=args.prefetch_bytes,
+                       algorithms=algorithms,
+                       model_flops=model_flops)
         t2 = time.perf_counter()
     rep = sim.to_json()
     rep.update({
+        "model_flops_per_device": model_flops,
         "scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg,
         "preset": exp.preset or exp.scenario.default_preset,
         "params": int(exp.scenario.param_count(exp.cfg)),
@@ -130,11 +134,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}  "
           f"[{rep['preset']}: {size}; {rep['params']:,} params]")
     print(sim.table(top=args.top))
-    print(f"\nMFU {100 * sim.mfu:.1f}%   ({rep['equations']} equations; lowered in {rep['lower_s']:.2f} s, "
-          f"simulated in {1e3 * rep['simulate_s']:.1f} ms)")
+    print(f"\nMFU {_util(sim.mfu)}   HFU {_util(sim.hfu)}   ({rep['equations']} equations; lowered in "
+          f"{rep['lower_s']:.2f} s, simulated in {1e3 * rep['simulate_s']:.1f} ms)")
     if args.report:
         print(f"wrote {args.report}")
     return 0
+
+
+def model_flops_per_device(exp: Experiment) -> float:
+    """Model FLOPs of one step per device, the numerator of MFU (``Scenario.model_flops``: 6·N per
+    token plus attention, no recomputation, no elementwise FLOPs), over the mesh's devices."""
+    return float(exp.scenario.model_flops(exp.cfg)) / exp.mesh.size
+
+
+def _util(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 # -- hardware -----------------------------------------------------------------------------------------
@@ -209,5 +223,5 @@ def _fmt(v) -> str:
     return str(v)
 
 
-__all__ = ["add_subcommands", "cmd_simulate", "cmd_hardware", "parse_algorithms", "parse_slice",
-           "simulate_experiment"]
+__all__ = ["add_subcommands", "cmd_simulate", "cmd_hardware", "model_flops_per_device", "parse_algorithms",
+           "parse_slice", "simulate_experiment"]
