@@ -18,7 +18,7 @@ demo: setup
 	mkdir -p reports
 	$(VENV)/bin/partir-emu run transformer --strategy bp+mp+z3 --mesh batch=4,model=2 \
 		--backend mpi --devices 8 --devices-per-rank 2 --timeout 300 --report reports/demo-mpi.json
-	$(VENV)/bin/partir-emu simulate transformer --size t32 --strategy bp+mp+z3 --mesh batch=64,model=8 \
+	$(VENV)/bin/partir-emu simulate transformer --size t32 --strategy z3 --mesh batch=256 \
 		--hardware tpu-v4 --top 5 --report reports/demo-simulate.json
 
 test: setup

@@ -2,17 +2,20 @@
 
     python benchmarks/simulate_speed.py [--repeats 30] [--cold-repeats 3] [--quick]
 
-The program: ``transformer --size t48 --strategy bp+mp+z3`` (5.75 B parameters, float32, Adam),
+The program: ``transformer --size t48 --strategy bp+mp+z3`` (5.75 B parameters, bf16 with float32 master weights, flash attention, full remat, Adam),
 lowered once per mesh (abstract tracing; the lowering is not part of an evaluation), priced on tpu-v4.
 What "one evaluation" is, from cheapest to dearest (every row is a full ``simulate`` call returning a
 SimReport with its breakdowns, per-collective rows and peak memory):
 
-- ``warm``:        ``analyzer.simulate(spmd, spec, placement)``; the per-program analysis (FLOPs, bytes,
-                   liveness) and the collective prices on this placement are kept by the ``Analyzer`` from an
-                   earlier call: what a search re-pricing a program pays. The goal (>= 200/s) is about this row.
+- ``warm``:        ``analyzer.simulate(spmd, spec, placement)``, no overlap; the per-program analysis (FLOPs,
+                   bytes, fusion groups, liveness) and the collective prices on this placement are kept by the
+                   ``Analyzer`` from an earlier call: what a search re-pricing a program pays.
 - ``warm, names``: ``analyzer.simulate(spmd, "tpu-v4")``: also resolves the spec name and the default placement
                    (cached lookups, a file stat).
-- ``overlap``:     ``warm`` with ``overlap=True`` (a list schedule over every equation, in Python).
+- ``overlap``:     ``warm`` with ``overlap=True``: fusion-priced equations, the asynchronous-collective schedule
+                   (ZeRO-3 prefetch, gradient reductions behind the backward pass; its per-program plan is
+                   kept by the Analyzer) and the prefetch-aware peak memory. What ``partir-emu simulate``
+                   does by default, so the goal (>= 200/s, issue 10) is about this row.
 - ``new prices``:  the collective price cache is emptied first: every distinct collective
                    (kind, axes, bytes) is priced again from its schedule on the topology (what a new
                    placement or spec costs; the schedules themselves stay cached).
@@ -128,14 +131,14 @@ def main(argv=None) -> int:
     print(f"{'evaluation':<14}{'ms/eval':>10}{'evals/s':>10}{'x floor':>9}  what is redone each time")
     what = {"warm": "roofline, collective rows, breakdowns, report (analysis + prices cached)",
             "warm, names": "warm + resolve 'tpu-v4' and the default placement",
-            "overlap": "warm + two-stream list schedule over every equation",
+            "overlap": "warm + async-collective schedule + prefetch memory (the default)",
             "new prices": "warm + price every distinct collective on the topology",
             "cold": "everything: analyse the program, build + price the schedules",
             "floor": "`for e in eqns: pass` (for scale)"}
     for k in ("warm", "warm, names", "overlap", "new prices", "cold", "floor"):
         print(f"{k:<14}{ms(m[k]):>10}{1 / m[k]:>10.0f}{m[k] / m['floor']:>9.1f}  {what[k]}")
-    verdict = "meets" if 1 / m["warm"] >= 200 else "MISSES"
-    print(f"goal >= 200 evaluations/s (warm): {1 / m['warm']:.0f}/s -> {verdict} the goal; "
+    verdict = "meets" if 1 / m["overlap"] >= 200 else "MISSES"
+    print(f"goal >= 200 evaluations/s (warm, fusion + overlap): {1 / m['overlap']:.0f}/s -> {verdict} the goal; "
           f"cold (new program, excluding lowering): {1 / m['cold']:.1f}/s")
 
     if not args.quick:
