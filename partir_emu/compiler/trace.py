@@ -1,6 +1,8 @@
 """JAX function + example pytrees → partir IR :class:`Program`.
 
-This is the only compiler module that imports jax. It walks the closed jaxpr,
+This is the compiler module that imports jax (with its helpers ``trace_keys``, PRNG key arrays
+in their physical form, and ``trace_unsupported``, the report of every unsupported primitive at
+once). It walks the closed jaxpr,
 inlines nested calls (jit/pjit, closed_call, custom_jvp/custom_vjp, remat) and
 normalizes primitive parameters to plain Python data, so that everything
 downstream (rules, lowering, the numpy interpreter, the hardware models, the
@@ -22,6 +24,8 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from partir_emu.compiler.trace_keys import physical_aval, physical_params, physical_value
+from partir_emu.compiler.trace_unsupported import UnsupportedReport
 from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
 from partir_emu.errors import TraceError, UnsupportedPrimitiveError
@@ -109,14 +113,17 @@ class _Builder:
         self.next_id = 0
         self.eqns: list[Eqn] = []
         self.consts: list[tuple[Var, np.ndarray]] = []
+        self.unsupported = UnsupportedReport()   # raised by trace() once the whole function is seen
+        self.call_sites: list[Any] = []           # source infos of the calls being inlined, outermost first
 
     def new_var(self, aval) -> Var:
+        aval = physical_aval(aval)   # a PRNG key array is its uint32 key data
         v = Var(self.next_id, tuple(int(d) for d in aval.shape), _dtype_name(aval))
         self.next_id += 1
         return v
 
     def const(self, value: Any) -> Var | Literal:
-        arr = np.asarray(value)
+        arr = np.asarray(physical_value(value))
         if arr.ndim == 0 and arr.dtype.kind in "biuf":
             return Literal(arr.item(), arr.dtype.name)
         v = Var(self.next_id, tuple(arr.shape), arr.dtype.name)
@@ -148,22 +155,26 @@ class _Builder:
                                                     "to inline")
                 where = _where(e) or outer
                 stack = _stack(e, outer_stack)
+                self.call_sites.append(e.source_info)   # a nested traceback starts at its call
                 if hasattr(body, "jaxpr"):  # ClosedJaxpr
                     results = self.inline(body.jaxpr, body.consts, ins, where, stack)
                 else:
                     results = self.inline(body, [], ins, where, stack)
+                self.call_sites.pop()
                 for ov, o in zip(e.outvars, results):
                     env[ov] = o
                 continue
             where = _where(e) or outer
             entry = get(name)
-            if entry is None or not entry.traceable:
-                raise UnsupportedPrimitiveError(
-                    f"primitive {name!r} at {where} is not supported by partir_emu; rewrite that part of the "
-                    f"function with supported jax.numpy/lax operations, or add an entry for it in "
-                    f"partir_emu.primitives (the traceable ones: partir_emu.primitives.names(traceable=True))")
-            params = {k: normalize_param(v) for k, v in e.params.items() if k not in _DROP}
+            raw = physical_params(name, dict(e.params), [x.aval for x in e.invars], [v.aval for v in e.outvars])
             outs = [self.new_var(ov.aval) for ov in e.outvars]
+            if entry is None or not entry.traceable or isinstance(raw, str):
+                # keep going: the report names every unsupported primitive of the function at once
+                self.unsupported.add(raw if isinstance(raw, str) else name,
+                                     [e.source_info, *reversed(self.call_sites)], where)
+                env.update(zip(e.outvars, outs))
+                continue
+            params = {k: normalize_param(v) for k, v in raw.items() if k not in _DROP}
             self.eqns.append(Eqn(name, tuple(ins), tuple(outs), params, where,
                                  _kernel(_stack(e, outer_stack))))
             for ov, o in zip(e.outvars, outs):
@@ -211,6 +222,7 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
     inputs = [b.new_var(v.aval) for v in closed.jaxpr.invars]
     assert len(inputs) == len(names), (len(inputs), len(names))
     outs = b.inline(closed.jaxpr, closed.consts, inputs)
+    b.unsupported.raise_if_any(getattr(fn, "__name__", repr(fn)))
     leaves, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = [_path_str(p) or "out" for p, _ in leaves]
     eqns, consts = dead_code_elimination(b.eqns, b.consts, outs)

@@ -6,8 +6,9 @@ Importing this package fills the registry; its consumers (compiler, runtime, hwm
 the registry through the names re-exported here, so that they always see it filled.
 :func:`rule_for` is the sharding rule of one equation.
 
-Families: ``elementwise``, ``shape``, ``reduce`` (reductions, scans, sort), ``dot``,
-``gather`` (gather, scatter-add), ``collectives`` (the SPMD primitives lowering emits).
+Families: ``elementwise``, ``bits`` (shifts, bit counts, bitcasts), ``shape``, ``reduce``
+(reductions, scans, sort, top_k), ``dot``, ``gather``, ``scatter`` (set/add/mul/min/max),
+``rng`` (jax.random's threefry primitives), ``collectives`` (the SPMD primitives lowering emits).
 """
 from __future__ import annotations
 
@@ -15,7 +16,17 @@ from partir_emu.core.factors import FactorRule
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import KINDS, Primitive, get, lookup, names, registered
 from partir_emu.errors import UnsupportedPrimitiveError
-from partir_emu.primitives import collectives, dot, elementwise, gather, reduce, shape  # noqa: F401  (register)
+from partir_emu.primitives import (  # noqa: F401  (register)
+    bits,
+    collectives,
+    dot,
+    elementwise,
+    gather,
+    reduce,
+    rng,
+    scatter,
+    shape,
+)
 
 __all__ = ["KINDS", "Primitive", "get", "lookup", "names", "registered", "rule_for"]
 

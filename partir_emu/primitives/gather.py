@@ -1,23 +1,15 @@
-"""gather and scatter-add, as an embedding lookup and its gradient use them.
+"""gather, as an embedding lookup uses it (the scatters, its gradients, are in ``scatter``).
 
-Rules. gather: the index batch dims are shared with the result's batch dims; operand
-dims taken whole (slice size = dim size) are shared with the result's offset
-dims; indexed dims are blocked. scatter-add: the update's scatter dims are
-*reduction* factors (each device adds its own updates: the result is partial
-and the accumulator operand must carry the same partial axes).
+Rule: the index batch dims are shared with the result's batch dims; operand dims taken whole
+(slice size = dim size) are shared with the result's offset dims; indexed dims are blocked.
 
-numpy impls with XLA semantics. Parameters are the normalized ``GatherDimensionNumbers`` /
-``ScatterDimensionNumbers`` dicts (with operand/indices batching dims). As in jax, the last dim of
-``indices`` is the index vector. Modes:
+numpy impl with XLA semantics. Parameters are the normalized ``GatherDimensionNumbers`` dict
+(with operand/indices batching dims). As in jax, the last dim of ``indices`` is the index
+vector. ``CLIP`` and ``PROMISE_IN_BOUNDS`` clamp each start so the slice fits (what XLA does);
+``FILL_OR_DROP`` returns ``fill_value`` for a slice whose start is out of bounds (default NaN /
+most negative int / max uint / True). The index helpers here are shared with ``scatter``.
 
-- gather: ``CLIP`` and ``PROMISE_IN_BOUNDS`` clamp each start so the slice fits
-  (what XLA does); ``FILL_OR_DROP`` returns ``fill_value`` for a slice whose
-  start is out of bounds (default NaN / most negative int / max uint / True).
-- scatter-add: ``CLIP`` clamps; ``FILL_OR_DROP`` and ``PROMISE_IN_BOUNDS`` drop a
-  window that does not fit entirely (what XLA does).
-
-Costs: a gather reads what it keeps; a scatter-add reads the updates and indices and
-read-modify-writes the touched rows. Lowering localizes gather's ``slice_sizes``.
+Cost: a gather reads what it keeps. Lowering localizes its ``slice_sizes``.
 """
 from __future__ import annotations
 
@@ -30,7 +22,7 @@ from partir_emu.core.dtypes import is_float
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
-from partir_emu.primitives._costs import Cost, elems, nbytes_of, read_what_you_keep_cost
+from partir_emu.primitives._costs import read_what_you_keep_cost
 
 
 # -- rules ------------------------------------------------------------------------------
@@ -71,40 +63,8 @@ def gather_rule(eqn: Eqn) -> FactorRule:
     return b.rule([xdims, idims], [odims])
 
 
-def scatter_add_rule(eqn: Eqn) -> FactorRule:
-    operand, indices, updates = eqn.inputs
-    dn = eqn.params["dimension_numbers"]
-    uwin = tuple(dn["update_window_dims"])
-    inserted = set(dn["inserted_window_dims"])
-    to_operand = set(dn["scatter_dims_to_operand_dims"])
-    obatch = tuple(dn.get("operand_batching_dims", ()))
-    ibatch = tuple(dn.get("scatter_indices_batching_dims", ()))
-    b = RuleBuilder()
-    xdims: list = [None] * operand.ndim
-    idims: list = [None] * indices.ndim
-    udims: list = [None] * updates.ndim
-    scatter_u = [d for d in range(updates.ndim) if d not in uwin]
-    for ud, idim in zip(scatter_u, range(indices.ndim - 1)):
-        f = (b.new(updates.shape[ud]),)   # not in the result: a reduction factor
-        udims[ud] = idims[idim] = f
-    idims[-1] = (b.new(indices.shape[-1], blocked=True),)
-    for k, idim in zip(obatch, ibatch):
-        xdims[k] = idims[idim]
-    window = [d for d in range(operand.ndim) if d not in inserted and d not in obatch]
-    for ud, xd in zip(uwin, window):
-        if updates.shape[ud] == operand.shape[xd] and xd not in to_operand:
-            f = (b.new(operand.shape[xd]),)
-            udims[ud] = xdims[xd] = f
-        else:
-            udims[ud] = (b.new(updates.shape[ud], blocked=True),)
-    for d in range(operand.ndim):
-        if xdims[d] is None:
-            xdims[d] = (b.new(operand.shape[d], blocked=True),)
-    return b.rule([xdims, idims, udims], [xdims], partial_operands=(0,))
-
-
 # -- impls ------------------------------------------------------------------------------
-def _starts(idx: np.ndarray, ndim: int, index_map: Sequence[int], operand_batching: Sequence[int],
+def starts_of(idx: np.ndarray, ndim: int, index_map: Sequence[int], operand_batching: Sequence[int],
             indices_batching: Sequence[int]) -> list[np.ndarray]:
     """Per operand dim, the start of each slice, broadcastable to the batch shape ``idx.shape[:-1]``."""
     batch = idx.shape[:-1]
@@ -119,7 +79,7 @@ def _starts(idx: np.ndarray, ndim: int, index_map: Sequence[int], operand_batchi
     return starts
 
 
-def _window_index(starts: list[np.ndarray], sizes: Sequence[int], window_dims: Sequence[int],
+def window_index(starts: list[np.ndarray], sizes: Sequence[int], window_dims: Sequence[int],
                   nb: int) -> tuple[np.ndarray, ...]:
     """Operand index arrays, broadcastable to ``batch + window`` shape."""
     nw = len(window_dims)
@@ -133,7 +93,7 @@ def _window_index(starts: list[np.ndarray], sizes: Sequence[int], window_dims: S
     return tuple(out)
 
 
-def _in_bounds(starts: list[np.ndarray], dims: Sequence[int], upper: Sequence[int], batch: tuple[int, ...]) -> np.ndarray:
+def in_bounds(starts: list[np.ndarray], dims: Sequence[int], upper: Sequence[int], batch: tuple[int, ...]) -> np.ndarray:
     ok = np.ones(batch, bool)
     for d in dims:
         ok &= (starts[d] >= 0) & (starts[d] <= upper[d])
@@ -159,14 +119,14 @@ def _gather(operand: np.ndarray, indices: np.ndarray, *, dimension_numbers: Mapp
     idx = np.asarray(indices).astype(np.int64)
     batch = idx.shape[:-1]
     nb = len(batch)
-    starts = _starts(idx, operand.ndim, index_map, obd, dn.get("start_indices_batching_dims", ()))
+    starts = starts_of(idx, operand.ndim, index_map, obd, dn.get("start_indices_batching_dims", ()))
     upper = [n - k for n, k in zip(operand.shape, slice_sizes)]
     fill = "FILL_OR_DROP" in str(mode)
-    mask = _in_bounds(starts, index_map, upper, batch) if fill else None
+    mask = in_bounds(starts, index_map, upper, batch) if fill else None
     starts = [np.clip(s, 0, u) for s, u in zip(starts, upper)]
     window_dims = [d for d in range(operand.ndim) if d not in collapsed and d not in obd]
     wshape = tuple(slice_sizes[d] for d in window_dims)
-    res = np.broadcast_to(operand[_window_index(starts, slice_sizes, window_dims, nb)], batch + wshape)
+    res = np.broadcast_to(operand[window_index(starts, slice_sizes, window_dims, nb)], batch + wshape)
     if mask is not None:
         fv = _default_fill(operand.dtype) if fill_value is None else fill_value
         res = np.where(mask.reshape(batch + (1,) * len(wshape)), res, np.asarray(fv).astype(operand.dtype))
@@ -177,48 +137,7 @@ def _gather(operand: np.ndarray, indices: np.ndarray, *, dimension_numbers: Mapp
     return np.transpose(res, perm)
 
 
-def _scatter_add(operand: np.ndarray, indices: np.ndarray, updates: np.ndarray, *,
-                 dimension_numbers: Mapping[str, Any], mode: str = "FILL_OR_DROP", **_: Any) -> np.ndarray:
-    dn = dimension_numbers
-    uwd = tuple(dn["update_window_dims"])
-    inserted = tuple(dn["inserted_window_dims"])
-    index_map = tuple(dn["scatter_dims_to_operand_dims"])
-    obd = tuple(dn.get("operand_batching_dims", ()))
-    operand = np.asarray(operand)
-    idx = np.asarray(indices).astype(np.int64)
-    upd = np.asarray(updates)
-    batch = idx.shape[:-1]
-    nb = len(batch)
-    usd = [d for d in range(upd.ndim) if d not in uwd]
-    upd = np.transpose(upd, usd + list(uwd))  # batch dims first, then window dims
-    window_dims = [d for d in range(operand.ndim) if d not in inserted and d not in obd]
-    sizes = [1] * operand.ndim
-    for j, d in enumerate(window_dims):
-        sizes[d] = upd.shape[nb + j]
-    upper = [n - k for n, k in zip(operand.shape, sizes)]
-    starts = _starts(idx, operand.ndim, index_map, obd, dn.get("scatter_indices_batching_dims", ()))
-    out = np.array(operand, copy=True)
-    if "CLIP" in str(mode):
-        starts = [np.clip(s, 0, u) for s, u in zip(starts, upper)]
-        mask = None
-    else:
-        mask = _in_bounds(starts, index_map, upper, batch)
-    where = [np.broadcast_to(i, upd.shape) for i in _window_index(starts, sizes, window_dims, nb)]
-    vals = upd.astype(out.dtype, copy=False)
-    if mask is not None and not mask.all():
-        m = np.broadcast_to(mask.reshape(batch + (1,) * len(window_dims)), upd.shape)
-        where, vals = [i[m] for i in where], vals[m]
-    np.add.at(out, tuple(where), vals)
-    return out
-
-
 # -- costs and localisation -------------------------------------------------------------
-def scatter_add_cost(e: Eqn) -> Cost:
-    # operand, indices, updates: read updates and indices, read-modify-write the touched rows
-    idx, upd = nbytes_of(e.inputs[1]), nbytes_of(e.inputs[2])
-    return float(elems(e.inputs[2])), float(idx + 3 * upd)
-
-
 def gather_localize(e: Eqn, ins: Sequence[Any], outs: Sequence[Any]) -> dict:
     """A slice that took a whole operand dim takes the whole local dim."""
     p = dict(e.params)
@@ -230,5 +149,4 @@ def gather_localize(e: Eqn, ins: Sequence[Any], outs: Sequence[Any]) -> dict:
 register(
     Primitive("gather", kind="memory", rule=gather_rule, impl=_gather, cost=read_what_you_keep_cost,
               localize=gather_localize),
-    Primitive("scatter-add", kind="memory", rule=scatter_add_rule, impl=_scatter_add, cost=scatter_add_cost),
 )

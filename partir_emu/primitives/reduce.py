@@ -1,8 +1,9 @@
-"""Reductions, cumulative scans and sort.
+"""Reductions, cumulative scans, sort and top_k.
 
 Rules: tiling a summed dim makes the result partial; the reduced dim of max/min/argmax/prod,
-a scanned dim and a sorted dim are blocked (each device would need the whole row). Costs:
-1 FLOP per input element (``n·⌈log2 n⌉`` per row for sort), kind ``reduction``.
+a scanned dim, a sorted dim and top_k's dim are blocked (each device would need the whole row).
+Costs: 1 FLOP per input element (``n·⌈log2 n⌉`` per row for sort, ``n·⌈log2 k⌉`` for top_k),
+kind ``reduction``.
 
 A bfloat16 ``reduce_sum`` accumulates in bfloat16, as XLA CPU does (each add in float32, rounded),
 in XLA's tree order (:func:`_tree_sum_low`); jnp.sum/mean upcast bfloat16 to float32 themselves, so
@@ -161,3 +162,49 @@ def sort_cost(e: Eqn) -> Cost:
 
 
 register(Primitive("sort", kind="reduction", rule=sort_rule, impl=_sort, cost=sort_cost))
+
+
+# -- top_k: one entry, every facet ------------------------------------------------------
+def top_k_rule(eqn: Eqn) -> FactorRule:
+    """The selected dim is blocked in the operand and (separately) in both results; the other
+    dims are shared (rows are independent)."""
+    x = eqn.inputs[0]
+    axis = eqn.params.get("axis", x.ndim - 1) % x.ndim
+    b = RuleBuilder()
+    xdims = [(b.new(n, blocked=(i == axis)),) for i, n in enumerate(x.shape)]
+    odims = [d if i != axis else (b.new(eqn.params["k"], blocked=True),) for i, d in enumerate(xdims)]
+    return b.rule([xdims], [odims, odims])
+
+
+def _descending_key(x: np.ndarray) -> np.ndarray:
+    """Unsigned keys whose ascending order is ``x``'s descending total order (as XLA's TopK:
+    NaN above +inf, +0.0 above -0.0)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    width = x.dtype.itemsize
+    u = x.view(np.dtype(f"u{width}"))
+    sign = np.array(1 << (8 * width - 1), u.dtype)
+    if x.dtype.kind == "i":
+        asc = u ^ sign
+    elif x.dtype.kind == "u":
+        asc = u
+    else:   # floats (numpy and ml_dtypes): sign-magnitude to two's-complement order
+        asc = np.where(u & sign, ~u, u | sign)
+    return ~asc
+
+
+def _top_k(x: np.ndarray, *, k: int, axis: int = -1, **_: Any) -> list[np.ndarray]:
+    """``lax.top_k``: the k largest along ``axis``, ties to the lower index."""
+    x = np.asarray(x)
+    order = np.argsort(_descending_key(x), axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    return [np.take_along_axis(x, idx, axis=axis), idx.astype(np.int32)]
+
+
+def top_k_cost(e: Eqn) -> Cost:
+    k = int(e.params["k"])
+    return float(elems(e.inputs[0]) * max(1, math.ceil(math.log2(max(k, 2))))), float(in_bytes(e) + out_bytes(e))
+
+
+register(Primitive("top_k", kind="reduction", rule=top_k_rule, impl=_top_k, cost=top_k_cost))

@@ -1,5 +1,5 @@
 """Shape primitives: broadcast, reshape, transpose, squeeze/expand_dims, concatenate, slice,
-pad, rev, dynamic_slice/update, split, stack/unstack, iota.
+pad, rev, dynamic_slice/update, split, stack/unstack, tile, iota.
 
 Rules: reshape uses compound factors (a dim made of several factors, major→minor); dims
 that a slice, pad, concatenation or reversal changes are blocked. Impls may return views of
@@ -178,6 +178,16 @@ def unstack_rule(eqn: Eqn) -> FactorRule:
     return b.rule([xdims], [[d for i, d in enumerate(xdims) if i != ax]] * len(eqn.outputs))
 
 
+def tile_rule(eqn: Eqn) -> FactorRule:
+    """A dim repeated ``reps > 1`` times is blocked (a device's block of the result is not the
+    repetition of its block of the operand); dims with ``reps == 1`` are shared."""
+    b = RuleBuilder()
+    x, out = eqn.inputs[0], eqn.outputs[0]
+    changed = {d for d, r in enumerate(eqn.params["reps"]) if r != 1}
+    ins, odims = _same_or_blocked(b, [x], out, changed)
+    return b.rule(ins, [odims])
+
+
 def iota_rule(eqn: Eqn) -> FactorRule:
     b = RuleBuilder()
     return b.rule([], [b.fresh_dims(eqn.outputs[0].shape, blocked=True)])
@@ -290,6 +300,7 @@ _ENTRIES: dict[str, tuple[Callable[[Eqn], FactorRule], Callable[..., Any], Calla
     "split": (split_rule, _split, copy_cost, None),
     "stack": (stack_rule, lambda *xs, axis, **_: np.stack([np.asarray(x) for x in xs], axis=axis), copy_cost, None),
     "unstack": (unstack_rule, lambda x, axis, **_: list(np.moveaxis(np.asarray(x), axis, 0)), copy_cost, None),
+    "tile": (tile_rule, lambda x, reps, **_: np.tile(x, tuple(reps)), copy_cost, None),
     "iota": (iota_rule, _iota, write_only_cost, _set_to_result_shape("shape")),
 }
 register(*(Primitive(name, kind="memory", rule=rule, impl=impl, cost=cost, localize=loc)
