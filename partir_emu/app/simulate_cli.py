@@ -108,6 +108,8 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
         t0 = time.perf_counter()
         low = exp.lower()
         t1 = time.perf_counter()
+        for w in low.warnings:   # a tactic whose own decisions conflict (compiler.conflicts)
+            print(f"warning: {w}", file=sys.stderr)
         phases.phase("simulating")
         model_flops = model_flops_per_device(exp)
         sim = simulate(low.spmd, spec, placement, overlap=args.overlap, prefetch_bytes=args.prefetch_bytes,

@@ -62,6 +62,12 @@ class Lowered:
     def state_after(self, k: int) -> ShardingState:
         return self.states[k]
 
+    @property
+    def warnings(self) -> list[str]:
+        """Conflicts between a tactic's own decisions, one line per kind (see
+        :mod:`partir_emu.compiler.conflicts`); the CLI prints them to stderr."""
+        return self.final_state.warnings()
+
     def __str__(self) -> str:
         return str(self.spmd)
 

@@ -13,12 +13,20 @@ the sharding it has to the one needed with the fewest collectives:
 * a pending sum the target needs (a scatter-add accumulator) → ``to_partial``.
 
 Reshardings are cached per (value, target), so a value is moved once however
-many equations read it — except all-gathers of program inputs, which are
-repeated at each use (ZeRO-3: a gathered parameter is dropped after use and
-gathered again in the backward pass instead of living through the step).
+many equations read it. Then :mod:`.rematerialise_gathers` gives each pass its own
+copy of a gathered parameter (ZeRO-3: dropped after its last forward use and
+gathered again for the backward pass, cast to the compute precision before the
+gather), so the lowering itself never duplicates a collective.
 """
 from __future__ import annotations
 
+from partir_emu.compiler.rematerialise_gathers import (
+    cast_before_gather,
+    last_primal_eqn,
+    pass_clusters,
+    primal_outputs,
+    rematerialise_gathers,
+)
 from partir_emu.compiler.state import ShardingState, mesh_order
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.sharding import Sharding
@@ -33,10 +41,11 @@ class _Lowerer:
         self.mesh = state.mesh
         self.next_id = state.program.next_id()
         self.eqns: list[Eqn] = []
+        self.origin: list[int] = []          # per lowered equation: the global equation it serves
+        self.at = 0                          # the global equation being lowered
         self.actual: dict[Var, Sharding] = {}
         self.local: dict[Var, Var] = {}
         self.cache: dict[tuple[Var, Sharding], Var] = {}
-        self.inputs = set(state.program.inputs)
         # A pending sum passes through a linear reader only if *every* reader of the value is
         # linear; otherwise it is resolved once and all readers share the resolved value.
         users = state.program.users()
@@ -52,8 +61,12 @@ class _Lowerer:
 
     def emit(self, prim: str, ins, out_shape, dtype, params, source="") -> Var:
         out = self.new_var(out_shape, dtype)
-        self.eqns.append(Eqn(prim, tuple(ins), (out,), params, source))
+        self.append(Eqn(prim, tuple(ins), (out,), params, source))
         return out
+
+    def append(self, e: Eqn) -> None:
+        self.eqns.append(e)
+        self.origin.append(self.at)
 
     # -- resharding -----------------------------------------------------------------
     def reshard(self, v: Var, target: Sharding, why: str) -> Var:
@@ -63,23 +76,19 @@ class _Lowerer:
         key = (v, target)
         if key in self.cache:
             return self.cache[key]
-        out, only_gathers = self._plan(v, src, target, why)
-        if not (only_gathers and v in self.inputs):
-            self.cache[key] = out
+        out = self.cache[key] = self._plan(v, src, target, why)
         return out
 
-    def _plan(self, v: Var, src: Sharding, dst: Sharding, why: str) -> tuple[Var, bool]:
+    def _plan(self, v: Var, src: Sharding, dst: Sharding, why: str) -> Var:
         mesh = self.mesh
         cur_dims = [tuple(d) for d in src.dims]
         x = self.local[v]
-        kinds = []
 
         def step(prim, params, new_dims):
             nonlocal x, cur_dims
             cur_dims = new_dims
             shape = Sharding(tuple(cur_dims)).local_shape(v.shape, mesh)
             x = self.emit(prim, [x], shape, v.dtype, params, why)
-            kinds.append(prim)
 
         resolve = [a for a in src.partial if a not in dst.partial]
         new_partial = [a for a in dst.partial if a not in src.partial]
@@ -134,10 +143,12 @@ class _Lowerer:
         if new_partial:
             step("to_partial", {"axes": mesh_order(mesh, new_partial)}, cur_dims)
         assert tuple(cur_dims) == dst.dims, (cur_dims, dst)
-        return x, all(k == "all_gather" for k in kinds)
+        return x
 
     # -- the pass ---------------------------------------------------------------------
-    def run(self, out_targets: dict[int, Sharding] | None = None) -> SpmdProgram:
+    def run(self, out_targets: dict[int, Sharding] | None = None, boundary: int | None = None) -> SpmdProgram:
+        """Lower every equation, then give each pass its own gathered parameters (``boundary``: the
+        last global equation of the forward pass, see :mod:`.rematerialise_gathers`)."""
         st, mesh, p = self.state, self.mesh, self.state.program
         in_locals = []
         in_shardings = []
@@ -153,7 +164,9 @@ class _Lowerer:
             self.actual[v], self.local[v] = Sharding.replicated(v.ndim), v
             consts.append((v, c))
         for i, e in enumerate(p.eqns):
+            self.at = i
             self.lower_eqn(i, e)
+        self.at = len(p.eqns)
         outs: list[Atom] = []
         out_shardings: list[Sharding] = []
         for k, (o, name) in enumerate(zip(p.outputs, p.output_names)):
@@ -166,6 +179,8 @@ class _Lowerer:
             outs.append(self.reshard(o, tgt, f"output {name}"))
             out_shardings.append(tgt)
         prog = Program(tuple(in_locals), p.input_names, tuple(self.eqns), tuple(outs), p.output_names, tuple(consts))
+        prog, moved = cast_before_gather(prog)
+        prog = rematerialise_gathers(prog, pass_clusters([self.origin[j] for j in moved], boundary))
         return SpmdProgram(mesh, prog, tuple(in_shardings), tuple(out_shardings),
                            tuple(v.shape for v in p.inputs), tuple(o.shape for o in p.outputs),
                            {"tactics": list(st.tactics_applied)})
@@ -201,7 +216,7 @@ class _Lowerer:
             self.actual[o], self.local[o] = s, lv
             outs.append(lv)
         params = localize_params(e, ins, outs)
-        self.eqns.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source, e.kernel))
+        self.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source, e.kernel))
 
 
 def localize_params(e: Eqn, ins, outs) -> dict:
@@ -216,7 +231,9 @@ def localize_params(e: Eqn, ins, outs) -> dict:
 def lower(state: ShardingState, state_outputs: dict[str, str] | None = None) -> SpmdProgram:
     """Lower the final sharding state. ``state_outputs`` maps an output-name prefix to an
     input-name prefix (``{"1": "params"}``): each such output is given the sharding of the input
-    of the same path, as a training step's new state must be laid out like the state it replaces."""
+    of the same path, as a training step's new state must be laid out like the state it replaces.
+    The other outputs (the loss) tell the forward pass from the backward pass, each of which gets its
+    own gathered parameters (see :mod:`.rematerialise_gathers`)."""
     p = state.program
     targets: dict[int, Sharding] = {}
     if state_outputs:
@@ -231,5 +248,5 @@ def lower(state: ShardingState, state_outputs: dict[str, str] | None = None) -> 
                 if v.shape != p.outputs[k].shape:
                     raise LoweringError(f"output {name!r} {p.outputs[k].shape} cannot mirror input {src!r} {v.shape}")
                 targets[k] = state.sharding(v)
-    return _Lowerer(state).run(targets)
+    return _Lowerer(state).run(targets, last_primal_eqn(p, primal_outputs(p, state_outputs)))
 

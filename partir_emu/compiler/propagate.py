@@ -20,14 +20,19 @@ Semantics:
   is, the conflict is recorded once per (equation, axis) with both origins, and the lowering
   inserts the resharding.
 
-Every conflict goes through one path: ``_visit`` yields the reason, ``_record`` stores it.
+Every conflict goes through one path: ``_visit`` yields a :class:`_Met` (kind, reason, the value
+and dim, and whether both sides got the axis from this very tactic), ``_record`` stores it as a
+:class:`~partir_emu.compiler.conflicts.Conflict`. A conflict between two decisions of one tactic
+was settled by the worklist's order, not by the user: :mod:`.conflicts` turns those into warnings.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from typing import NamedTuple
 
-from partir_emu.compiler.state import Conflict, ShardingState, dim_axes, factor_of_axis
+from partir_emu.compiler.conflicts import Conflict
+from partir_emu.compiler.state import ShardingState, dim_axes, factor_of_axis
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
 from partir_emu.core.ir import Var
 from partir_emu.errors import ShardingError, TacticError
@@ -42,6 +47,16 @@ def apply_tactic(state: ShardingState, tactic: ManualPartition, index: int) -> N
              if _seed(state, axis, label, i, dim)]
     propagate(state, axis, seeds, label)
     state.tactics_applied.append(label)
+
+
+class _Met(NamedTuple):
+    """A conflict as propagation meets it (see :class:`~partir_emu.compiler.conflicts.Conflict`)."""
+
+    kind: str
+    reason: str
+    value: Var | None = None
+    dim: int | None = None
+    within: bool = False
 
 
 def _seed(state: ShardingState, axis: str, label: str, i: int, dim: object) -> bool:
@@ -92,15 +107,18 @@ class _Propagation:
         self.queue: deque[int] = deque()
         self.queued: set[int] = set()
         self.recorded = {(c.eqn, c.axis) for c in state.conflicts}
+        self.mine: set[Var] = set()       # values this tactic tiled by the axis
+        self.took: set[int] = set()       # equations whose factor took the axis in this tactic
 
     def run(self, seeds: list[Var]) -> None:
         for v in seeds:
+            self.mine.add(v)
             self._enqueue(v)
         while self.queue:
             e = self.queue.popleft()
             self.queued.discard(e)
-            for reason in self._visit(e):
-                self._record(e, reason)
+            for met in self._visit(e):
+                self._record(e, met)
 
     def _enqueue(self, v: Var) -> None:
         """Revisit every equation that reads or defines ``v``."""
@@ -110,20 +128,21 @@ class _Propagation:
                 self.queued.add(e)
                 self.queue.append(e)
 
-    def _record(self, e: int, reason: str) -> None:
-        """The one conflict path: the first reason per (equation, axis) is kept."""
+    def _record(self, e: int, met: _Met) -> None:
+        """The one conflict path: the first conflict per (equation, axis) is kept."""
         if (e, self.axis) not in self.recorded:
             self.recorded.add((e, self.axis))
             eqn = self.state.program.eqns[e]
-            self.state.conflicts.append(Conflict(self.axis, e, f"{eqn.prim} at {eqn.source or '?'}: {reason}"))
+            self.state.conflicts.append(Conflict(self.axis, e, f"{eqn.prim} at {eqn.source or '?'}: {met.reason}",
+                                                 met.kind, met.value, met.dim, self.label, met.within))
 
     def _origin(self, v: Var | None) -> str:
         return "?" if v is None else self.state.origin.get((v.id, self.axis), "?")
 
     # -- one equation -------------------------------------------------------------------
-    def _visit(self, e: int) -> Iterator[str]:
+    def _visit(self, e: int) -> Iterator[_Met]:
         """Settle the factor the axis tiles at equation ``e`` and push it to every dim made of
-        it; yield the reason of each conflict met on the way."""
+        it; yield each conflict met on the way."""
         st, axis, prim = self.state, self.axis, self.state.program.eqns[e].prim
         rule, F = self.index.rules[e], st.eqn_factors[e]
         wanted = self._wanted(e)
@@ -133,8 +152,9 @@ class _Propagation:
                 return
             if len(wanted) > 1:
                 (_, v1), (_, v2) = list(wanted.items())[:2]
-                yield (f"{v1} (from {self._origin(v1)}) and {v2} (from {self._origin(v2)}) want different "
-                       f"factors tiled by {axis!r}; left untiled")
+                yield _Met("disagree", f"{v1} (from {self._origin(v1)}) and {v2} (from {self._origin(v2)}) want "
+                           f"different factors tiled by {axis!r}; left untiled", v2, None,
+                           v1 in self.mine and v2 in self.mine)
                 return
             ((f, src),) = wanted.items()
             have = F.get(f, ())
@@ -144,20 +164,23 @@ class _Propagation:
             # every operand/result dim made of this factor must express the new tiling as blocks
             if not self._blocks_everywhere(e, f):
                 F[f] = have
-                yield f"tiling factor of size {rule.sizes[f]} by {axis!r} is not a block layout here"
+                yield _Met("not-block", f"tiling factor of size {rule.sizes[f]} by {axis!r} is not a block layout here",
+                           src)
                 return
+            self.took.add(e)
             current, why = f, f"{self.label} via {prim} from {src}"
         else:
             for f, v in wanted.items():
                 if f != current:
                     holder = self._holder(e, current)
-                    yield (f"{v} (from {self._origin(v)}) wants another factor tiled by {axis!r} than the one "
-                           f"the equation has" + (f" (from {self._origin(holder)})" if holder else ""))
+                    yield _Met("other-factor", f"{v} (from {self._origin(v)}) wants another factor tiled by {axis!r} "
+                               f"than the one the equation has" + (f" (from {self._origin(holder)})" if holder else ""),
+                               v, None, v in self.mine and e in self.took)
             why = f"{self.label} via {prim}"
         for k, d in self.index.factor_dims[e].get(current, ()):
-            reason = self._push(e, k, d, why)
-            if reason:
-                yield reason
+            met = self._push(e, k, d, why)
+            if met:
+                yield met
 
     def _wanted(self, e: int) -> dict[int, Var]:
         """factor -> the first operand/result whose tiling by the axis lands on that factor."""
@@ -181,44 +204,51 @@ class _Propagation:
         return all(dim_axes(F, sizes, slots[k][1][d], self.state.mesh) is not None
                    for k, d in self.index.factor_dims[e][f])
 
-    def _push(self, e: int, k: int, d: int, why: str) -> str | None:
+    def _push(self, e: int, k: int, d: int, why: str) -> _Met | None:
         """Tile dim ``d`` of slot ``k`` of equation ``e`` as the equation's factors say; the
-        reason it cannot, or None (done, or nothing to do)."""
+        conflict if it cannot, or None (done, or nothing to do)."""
         st, axis = self.state, self.axis
         v, factors = self.index.slots[e][k]
         dims = st.value_dims[v]
         if axis in dims[d]:
             return None
         w = dim_axes(st.eqn_factors[e], self.index.rules[e].sizes, factors[d], st.mesh)
+        here = e in self.took
         if any(axis in x for x in dims):
-            return f"{v} already uses {axis!r} on another dim (from {self._origin(v)})"
+            return _Met("two-dims", f"{v} already uses {axis!r} on another dim (from {self._origin(v)})", v, d,
+                        here and v in self.mine)
         if axis in st.pinned.get(v, ()):
-            return f"{v} is pinned REPLICATED on {axis!r}"
+            return _Met("pinned", f"{v} is pinned REPLICATED on {axis!r}", v, d)
         if w is None or dims[d] + (axis,) != w:
-            return f"{v} dim {d} is tiled {dims[d]}, the equation wants {w}"
+            return _Met("order", f"{v} dim {d} is tiled {dims[d]}, the equation wants {w}", v, d)
         q = self.index.producers.get(v)
-        if q is not None and q != e and not self._producer_accepts(q, v, d, w):
-            # never tile a value in a way its own producer cannot compute: the consumer
-            # reshards it instead (e.g. x + y.T with x and y tiled alike: one all_to_all)
-            return f"{v} dim {d}: its producer [{q}] {st.program.eqns[q].prim} cannot tile it by {axis!r}"
+        if q is not None and q != e:
+            accepts, blocker_mine = self._producer_accepts(q, v, d, w)
+            if not accepts:
+                # never tile a value in a way its own producer cannot compute: the consumer
+                # reshards it instead (e.g. x + y.T with x and y tiled alike: one all_to_all)
+                return _Met("producer", f"{v} dim {d}: its producer [{q}] {st.program.eqns[q].prim} cannot tile it "
+                            f"by {axis!r}", v, d, here and blocker_mine)
         st.value_dims[v] = dims[:d] + (w,) + dims[d + 1:]
         st.origin[(v.id, axis)] = why
+        self.mine.add(v)
         self._enqueue(v)
         return None
 
-    def _producer_accepts(self, q: int, v: Var, d: int, new_axes: tuple[str, ...]) -> bool:
+    def _producer_accepts(self, q: int, v: Var, d: int, new_axes: tuple[str, ...]) -> tuple[bool, bool]:
         """Could equation ``q`` (which defines ``v``) take the axis on the factor behind dim ``d``
-        of ``v``, given what its other operands and results already say?"""
+        of ``v``, given what its other operands and results already say? And if not, was what
+        stops it decided by this tactic (False when the rule itself forbids it)?"""
         st, axis, rule = self.state, self.axis, self.index.rules[q]
         F, slots, mesh = st.eqn_factors[q], self.index.slots[q], st.mesh
         f = factor_of_axis(mesh, rule.sizes, slots[self.index.result_slot[v]][1][d], new_axes, axis)
         if f is None or f in rule.blocked:
-            return False
+            return False, False
         cur = next((g for g, ax in F.items() if axis in ax), None)
         if cur is not None:
-            return cur == f
+            return cur == f, q in self.took
         if rule.sizes[f] % (mesh.group_size(F.get(f, ())) * mesh.axis_size(axis)):
-            return False
+            return False, False
         for x, fs in slots:
             if x is v:
                 continue
@@ -226,5 +256,5 @@ class _Propagation:
                 if axis in da:
                     g = factor_of_axis(mesh, rule.sizes, fs[dd], da, axis)
                     if g is not None and g != f:
-                        return False
-        return True
+                        return False, x in self.mine
+        return True, False

@@ -2,8 +2,9 @@
 
 ``ShardingState`` holds, per value, the mesh axes tiling each dim and, per equation, the
 axes tiling each of its factors (see :mod:`partir_emu.core.factors`), plus where each
-decision came from and the conflicts left for lowering. It is mutable while a schedule is
-applied; ``copy()`` snapshots it after each tactic.
+decision came from and the conflicts left for lowering (:mod:`.conflicts`, which also turns
+them into warnings). It is mutable while a schedule is applied; ``copy()`` snapshots it after
+each tactic.
 
 ``ProgramIndex`` is everything about the *program* that propagation needs again and again
 (the rule of each equation, its operand/result slots, which dims each factor spans, users
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from partir_emu.compiler.conflicts import Conflict, warnings
 from partir_emu.core.factors import Dims, FactorRule
 from partir_emu.core.ir import Eqn, Program, Var
 from partir_emu.core.mesh import Mesh
@@ -24,15 +26,6 @@ from partir_emu.primitives import rule_for
 
 Slot = tuple[Var, Dims]                 # an operand or result value, and the factors of each of its dims
 FactorDims = Mapping[int, tuple[tuple[int, int], ...]]   # factor -> ((slot index, dim), ...)
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """Two sources disagree about ``axis`` at equation ``eqn``; ``message`` names both origins."""
-
-    axis: str
-    eqn: int
-    message: str
 
 
 @dataclass(frozen=True)
@@ -209,8 +202,14 @@ class ShardingState:
         if self.conflicts:
             lines.append(f"conflicts ({len(self.conflicts)}; left unpropagated, resharded at lowering):")
             for c in self.conflicts:
-                lines.append(f"  [{c.eqn}] {c.axis}: {c.message}")
+                mark = f" [within tactic {c.tactic!r}: a warning]" if c.within_tactic else ""
+                lines.append(f"  [{c.eqn}] {c.axis}: {c.message}{mark}")
         return "\n".join(lines)
+
+    def warnings(self) -> list[str]:
+        """One line per kind of conflict between a tactic's own decisions (see
+        :mod:`partir_emu.compiler.conflicts`); empty when the schedule says what it means."""
+        return warnings(self.conflicts, self.program, self.origin)
 
     def _why(self, v: Var) -> str:
         whys = [f"{a}: {self.origin[(v.id, a)]}" for d in self.value_dims[v] for a in d if (v.id, a) in self.origin]
