@@ -15,7 +15,7 @@ from partir_emu.errors import PartirError
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Sharding", "ManualPartition", "AutomaticPartition", "REPLICATED", "PartirError", "jit", "trace",
-           "lower_program", "__version__"]
+           "lower_program", "from_partition_specs", "__version__"]
 
 _LAZY = ("jit", "trace", "lower_program")
 
@@ -24,4 +24,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         from partir_emu import api  # here, not at the top: partir_emu.api imports jax, MPI ranks must not
         return getattr(api, name)
+    if name == "from_partition_specs":
+        from partir_emu import interop  # here, not at the top: partir_emu.interop imports jax, MPI ranks must not
+        return interop.from_partition_specs
     raise AttributeError(name)

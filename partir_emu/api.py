@@ -68,6 +68,11 @@ class Lowered(compiler_api.Lowered):
     def run(self, *flat_inputs: np.ndarray, algorithm: str = "ring"):
         return LocalMesh(self.spmd.mesh, algorithm=algorithm).run(self.spmd, list(flat_inputs))
 
+    def to_jax(self, devices: Any = None):
+        """The in/out shardings as ``NamedSharding``s for ``jax.jit`` (see :func:`partir_emu.interop.to_jax`)."""
+        from partir_emu import interop  # here, not at the top: it imports jax, and MPI ranks import this module
+        return interop.to_jax(self, devices)
+
 
 def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
                   state_outputs: dict[str, str] | None = None,
@@ -77,11 +82,21 @@ def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
     return Lowered(low.program, low.schedule, low.final_state, low.spmd, low.cost_model)
 
 
+BACKENDS = ("local", "mpi")
+
+
 class Jitted:
     def __init__(self, fn: Callable, mesh: Mesh, schedule: Sequence[Tactic], algorithm: str = "ring",
-                 state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost):
+                 state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost,
+                 backend: str = "local", devices_per_rank: int = 1, outputs: str = "all",
+                 timeout_s: float | None = 300.0):
+        if backend not in BACKENDS:
+            raise ArgumentError(f"backend={backend!r}: use one of {BACKENDS}")
+        if backend == "mpi" and (not isinstance(devices_per_rank, int) or devices_per_rank < 1):
+            raise ArgumentError(f"devices_per_rank={devices_per_rank!r}: give a positive integer")
         self.fn, self.mesh, self.schedule, self.algorithm = fn, mesh, list(schedule), algorithm
         self.state_outputs, self.cost_model = state_outputs, cost_model
+        self.backend, self.devices_per_rank, self.outputs, self.timeout_s = backend, devices_per_rank, outputs, timeout_s
         self._cache: dict[Any, Lowered] = {}
         self._nargs = _positional_count(fn)
 
@@ -106,8 +121,14 @@ class Jitted:
     def __call__(self, *args: Any):
         low = self.lower(*args)
         _, leaves, _ = self._key(args)
-        res = low.run(*[np.asarray(x) for x in leaves], algorithm=self.algorithm)
-        return _jax().tree_util.tree_unflatten(low.out_tree, res.outputs)
+        flat = [np.asarray(x) for x in leaves]
+        if self.backend == "mpi":
+            from partir_emu import mpi  # here: importing mpi4py initialises MPI, only MPI users may
+            outs = mpi.run(low.spmd, flat, devices_per_rank=self.devices_per_rank, algorithm=self.algorithm,
+                           outputs=self.outputs, timeout_s=self.timeout_s)
+        else:
+            outs = low.run(*flat, algorithm=self.algorithm).outputs
+        return _jax().tree_util.tree_unflatten(low.out_tree, outs)
 
 
 def _positional_count(fn: Callable) -> int | None:
@@ -122,7 +143,13 @@ def _positional_count(fn: Callable) -> int | None:
 
 
 def jit(fn: Callable, *, mesh: Mesh, schedule: Sequence[Tactic] = (), algorithm: str = "ring",
-        state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost) -> Jitted:
-    """Partition ``fn`` over ``mesh`` with ``schedule``; calls run on the in-process mesh.
+        state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost,
+        backend: str = "local", devices_per_rank: int = 1, outputs: str = "all",
+        timeout_s: float | None = 300.0) -> Jitted:
+    """Partition ``fn`` over ``mesh`` with ``schedule``; calls run on the in-process mesh, or with
+    ``backend="mpi"`` on the ranks of the ``mpiexec`` that started this script (rank 0 calls, the
+    others are in :func:`partir_emu.mpi.serve`; ``devices_per_rank`` devices each; ``outputs="all"``
+    gives every rank the global outputs, ``"root"`` only rank 0; every wait ends after ``timeout_s``).
     ``state_outputs={"1": "params"}`` lays output ``1/...`` out like input ``params/...``."""
-    return Jitted(fn, mesh, schedule, algorithm, state_outputs, cost_model)
+    return Jitted(fn, mesh, schedule, algorithm, state_outputs, cost_model, backend, devices_per_rank, outputs,
+                  timeout_s)

@@ -1,4 +1,4 @@
-"""``partir-emu``: run, show, list, simulate, hardware, fidelity, validate, replay.
+"""``partir-emu``: run, show, list, simulate, hardware, fidelity, validate, replay, compare-xla.
 
 Every subcommand checks its paths and numbers before it lowers anything
 (:mod:`partir_emu.app.checks`). Exit statuses (:mod:`partir_emu.app.exits`, also in
@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from partir_emu.app import checks, des_cli, exits, fidelity_cli, simulate_cli
+from partir_emu.app import checks, compare_xla, des_cli, exits, fidelity_cli, simulate_cli
 from partir_emu.app.atomic import atomic_path
 from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
 from partir_emu.app.experiment import run_local
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cli.add_subcommands(sub)
     fidelity_cli.add_subcommands(sub)
     des_cli.add_subcommands(sub)
+    compare_xla.add_subcommands(sub)
     return ap
 
 
