@@ -101,8 +101,12 @@ class Jitted:
         self._nargs = _positional_count(fn)
 
     def _key(self, args: tuple) -> tuple[Any, list, Any]:
-        leaves, tree = _jax().tree_util.tree_flatten(args)
-        return (tree, tuple((np.shape(x), np.result_type(x).name) for x in leaves)), leaves, tree
+        jax = _jax()
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        # a typed PRNG key array runs as its uint32 key data (how the tracer represents keys)
+        leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+                  else x for x in leaves]
+        return (tree, tuple((np.shape(x), _dtype_name(x)) for x in leaves)), leaves, tree
 
     def lower(self, *args: Any) -> Lowered:
         if self._nargs is not None and len(args) != self._nargs:
@@ -129,6 +133,11 @@ class Jitted:
         else:
             outs = low.run(*flat, algorithm=self.algorithm).outputs
         return _jax().tree_util.tree_unflatten(low.out_tree, outs)
+
+
+def _dtype_name(x: Any) -> str:
+    dt = getattr(x, "dtype", None)
+    return np.dtype(dt).name if dt is not None else np.result_type(x).name
 
 
 def _positional_count(fn: Callable) -> int | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from partir_emu.app import checks, compare_xla, des_cli, exits, fidelity_cli, simulate_cli
 from partir_emu.app.atomic import atomic_path
-from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
+from partir_emu.app.common import add_experiment_args, experiment_from_args, print_warnings, write_report
 from partir_emu.app.experiment import run_local
 from partir_emu.app.mpi_run import run_mpi_cli
 from partir_emu.app.phases import Phases
@@ -50,12 +50,6 @@ def _summary(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _print_warnings(lines: Sequence[str]) -> None:
-    """The lowering's warnings (e.g. a tactic whose own decisions conflict), one line each."""
-    for w in lines:
-        print(f"warning: {w}", file=sys.stderr)
-
-
 def cmd_run(args) -> int:
     exp = experiment_from_args(args)
     checks.check_run_args(args, exp)        # paths, numbers, sizes, a memory lower bound: before lowering
@@ -65,7 +59,7 @@ def cmd_run(args) -> int:
             t0 = time.perf_counter()
             low = exp.lower()
             lower_s = time.perf_counter() - t0
-            _print_warnings(low.warnings)
+            print_warnings(low.warnings)
             checks.check_run_memory(low.spmd, exp.mesh.size)      # before any array is allocated
             phases.phase("step and verify")
             rep = run_local(exp, algorithm=args.algorithm, lowered=low)
@@ -87,7 +81,7 @@ def cmd_show(args) -> int:
     with Phases("show", quiet=args.quiet) as phases:
         phases.phase("lowering")
         low = exp.lower()
-    _print_warnings(low.warnings)
+    print_warnings(low.warnings)
     if args.after_tactic is not None:
         k = args.after_tactic
         if not 0 <= k < len(low.states):

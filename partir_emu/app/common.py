@@ -8,11 +8,19 @@ atomically when a path was given.
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 
 from partir_emu.app.atomic import write_json_atomic
 from partir_emu.app.checks import nonnegative_int, seed
 from partir_emu.app.experiment import Experiment
 from partir_emu.core.mesh import Mesh
+
+
+def print_warnings(lines: Sequence[str]) -> None:
+    """The lowering's warnings (e.g. a tactic whose own decisions conflict), one line each on stderr."""
+    for w in lines:
+        print(f"warning: {w}", file=sys.stderr)
 
 
 def add_overlap_args(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from partir_emu.app import checks
+from partir_emu.app.common import print_warnings
 from partir_emu.app.experiment import Experiment, flatten, load_inputs_npz, report
 from partir_emu.app.phases import announce
 from partir_emu.core.spmd import SpmdProgram
@@ -159,7 +160,9 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
     n, k = _layout(exp, args)
     algorithm = _algorithm(args)
     t0 = time.perf_counter()
-    spmd = responsive(lambda: exp.lower().spmd)
+    low = responsive(exp.lower)
+    print_warnings(low.warnings)
+    spmd = low.spmd
     lower_s = time.perf_counter() - t0
     checks.check_run_memory(spmd, n)        # all n devices live on this machine: before any array exists
     inputs = (load_inputs_npz(args.inputs, spmd.input_names) if args.inputs else
@@ -195,6 +198,13 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
         "launcher_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "trace_messages": trace})
 
 
+def _lower_and_warn(exp: Experiment) -> SpmdProgram:
+    """Rank 0's lowering for the broadcast, its warnings printed once (by rank 0)."""
+    low = exp.lower()
+    print_warnings(low.warnings)
+    return low.spmd
+
+
 def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
     """One rank of a user's ``mpirun -n R partir-emu run … --backend mpi``."""
     # why here: the worker imports mpi4py, which initializes MPI: only a process mpirun started may
@@ -208,7 +218,7 @@ def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
                         f"use -n {n // k}, or --devices-per-rank {n // nranks if n % nranks == 0 else '?'}")
     t0 = time.perf_counter()
     guard = worker.guard_under_mpirun(comm, args.timeout)
-    spmd = worker.broadcast_program(comm, guard, lambda: exp.lower().spmd, args.timeout)
+    spmd = worker.broadcast_program(comm, guard, lambda: _lower_and_warn(exp), args.timeout)
     lower_s = time.perf_counter() - t0
     with guard:
         inputs = (load_inputs_npz(args.inputs, spmd.input_names) if args.inputs else

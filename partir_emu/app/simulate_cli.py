@@ -13,7 +13,13 @@ import sys
 import time
 
 from partir_emu.app import checks
-from partir_emu.app.common import add_experiment_args, add_overlap_args, experiment_from_args, write_report
+from partir_emu.app.common import (
+    add_experiment_args,
+    add_overlap_args,
+    experiment_from_args,
+    print_warnings,
+    write_report,
+)
 from partir_emu.app.exits import one_line
 from partir_emu.app.experiment import Experiment
 from partir_emu.app.phases import Phases
@@ -108,8 +114,7 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
         t0 = time.perf_counter()
         low = exp.lower()
         t1 = time.perf_counter()
-        for w in low.warnings:   # a tactic whose own decisions conflict (compiler.conflicts)
-            print(f"warning: {w}", file=sys.stderr)
+        print_warnings(low.warnings)     # a tactic whose own decisions conflict (compiler.conflicts)
         phases.phase("simulating")
         model_flops = model_flops_per_device(exp)
         sim = simulate(low.spmd, spec, placement, overlap=args.overlap, prefetch_bytes=args.prefetch_bytes,
