@@ -1,6 +1,6 @@
 """Models nobody here wrote, partitioned as a user would (issue 11): a Flax linen decoder LM
 (self-attention with a causal mask, dropout, LayerNorm, ``nn.remat``) trained with optax
-(gradient clipping + AdamW), and an Equinox MLP trained with optax Adam, each under batch
+(gradient clipping + AdamW), the same kind of LM with its layers as ``nn.scan``, and an Equinox MLP trained with optax Adam, each under batch
 parallelism (BP), Megatron model parallelism (MP) and ZeRO-3 (Z3, parameters sharded over the
 data axis, as a second tactic after BP), against the unpartitioned ``jax.jit``.
 
@@ -82,6 +82,55 @@ def _flax_case():
     return (params, opt, tokens, rng), grads, step
 
 
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.SelfAttention(num_heads=HEADS, use_bias=False, deterministic=True)(
+            nn.LayerNorm()(x), mask=nn.make_causal_mask(x[..., 0]))
+        x = x + h
+        return x + nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(nn.LayerNorm()(x)))), None
+
+
+class _ScanLM(nn.Module):
+    """Layers as ``nn.scan`` over ``nn.remat`` (MaxText/PaLM style): parameters stacked on a
+    leading layer dim. The tracer unrolls the scan (compiler/trace_loops.py)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, D)(tokens)
+        stack = nn.scan(nn.remat(_ScanBlock), variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        x, _ = stack()(x, None)
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+@functools.cache
+def _scan_case():
+    model = _ScanLM()
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    params = model.init(jax.random.key(0), tokens)
+    tx = optax.adamw(1e-3)
+    opt = tx.init(params)
+
+    def loss_fn(p, tokens):
+        logits = model.apply(p, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    def grads(params, opt, tokens):
+        return jax.value_and_grad(loss_fn)(params, tokens)
+
+    def step(params, opt, tokens):
+        loss, g = jax.value_and_grad(loss_fn)(params, tokens)
+        upd, opt = tx.update(g, opt, params)
+        return loss, optax.apply_updates(params, upd), opt
+
+    return (params, opt, tokens), grads, step
+
+
+_SCAN = "params/params/ScanCheckpoint_ScanBlock_0"
+_SCAN_MP = {f"{_SCAN}/SelfAttention_0/query/kernel": 2, f"{_SCAN}/SelfAttention_0/key/kernel": 2,
+            f"{_SCAN}/SelfAttention_0/value/kernel": 2, f"{_SCAN}/SelfAttention_0/out/kernel": 1,
+            f"{_SCAN}/Dense_0/kernel": 2, f"{_SCAN}/Dense_0/bias": 1, f"{_SCAN}/Dense_1/kernel": 1}
+
 _ATTN = "params/params/*/SelfAttention_0"
 _FLAX_MP = {f"{_ATTN}/query/kernel": 1, f"{_ATTN}/key/kernel": 1, f"{_ATTN}/value/kernel": 1,
             f"{_ATTN}/out/kernel": 0, "params/params/*/Dense_0/kernel": 1, "params/params/*/Dense_0/bias": 0,
@@ -129,12 +178,12 @@ _EQX_MP = {"params/layers/0/weight": 0, "params/layers/0/bias": 0, "params/layer
 
 
 def _schedule(model: str, strategy: str) -> tuple[pe.Mesh, list]:
-    batch = {"flax": {"tokens": 0}, "eqx": {"x": 0, "y": 0}}[model]
+    batch = {"flax": {"tokens": 0}, "scan": {"tokens": 0}, "eqx": {"x": 0, "y": 0}}[model]
     bp = pe.ManualPartition(batch, axis="batch")
     if strategy == "bp":
         return pe.Mesh(batch=4), [bp]
     if strategy == "mp":
-        mp = {"flax": _FLAX_MP, "eqx": _EQX_MP}[model]
+        mp = {"flax": _FLAX_MP, "scan": _SCAN_MP, "eqx": _EQX_MP}[model]
         return pe.Mesh(batch=2, model=2), [bp, pe.ManualPartition(mp, axis="model")]
     # z3: parameters (and the optimizer state that mirrors them) sharded on the data axis, dim 0
     return pe.Mesh(batch=4), [bp, pe.ManualPartition({"params/*": 0, "opt/*mu/*": 0, "opt/*nu/*": 0}, axis="batch")]
@@ -163,10 +212,13 @@ def _axes(spmd, prim):
     return {tuple(e.params["axes"]) for e in spmd.collectives() if e.prim == prim}
 
 
+CASES = {"flax": _flax_case, "scan": _scan_case, "eqx": _eqx_case}
+
+
 @pytest.mark.parametrize("strategy", ["bp", "mp", "z3"])
-@pytest.mark.parametrize("model", ["flax", "eqx"])
+@pytest.mark.parametrize("model", list(CASES))
 def test_loss_and_gradients_match_jax(model, strategy):
-    args, grads, _ = {"flax": _flax_case, "eqx": _eqx_case}[model]()
+    args, grads, _ = CASES[model]()
     mesh, schedule = _schedule(model, strategy)
     spmd = _check(grads, args, mesh, schedule, 1e-4)
     reductions = _axes(spmd, "all_reduce") | _axes(spmd, "reduce_scatter")
@@ -180,9 +232,9 @@ def test_loss_and_gradients_match_jax(model, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["bp", "mp", "z3"])
-@pytest.mark.parametrize("model", ["flax", "eqx"])
+@pytest.mark.parametrize("model", list(CASES))
 def test_whole_step_with_optax_matches_jax(model, strategy):
-    args, _, step = {"flax": _flax_case, "eqx": _eqx_case}[model]()
+    args, _, step = CASES[model]()
     mesh, schedule = _schedule(model, strategy)
     _check(step, args, mesh, schedule, 1e-3)
 

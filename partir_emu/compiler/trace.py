@@ -25,6 +25,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from partir_emu.compiler.trace_keys import physical_aval, physical_params, physical_value
+from partir_emu.compiler.trace_loops import empty_as_zeros, select_cond, unroll_scan
 from partir_emu.compiler.trace_unsupported import UnsupportedReport
 from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
@@ -40,6 +41,9 @@ _CALL_PARAMS = {
 
 # Parameters that carry no meaning for us (layout, sharding hints, jaxprs of
 # reductions whose kind is in the primitive name). Dropped during normalization.
+# Control flow rewritten into straight-line equations (see trace_loops: scan unrolled, cond selected).
+_CONTROL = {"scan": unroll_scan, "cond": select_cond, "empty": empty_as_zeros, "empty2": empty_as_zeros}
+
 _DROP = {"sharding", "out_sharding", "precision", "accumulation_type", "update_jaxpr", "update_consts",
          "weak_type", "out_dtype", "algorithm", "transpose_algorithm"}
 
@@ -122,6 +126,11 @@ class _Builder:
         self.next_id += 1
         return v
 
+    def shape_of(self, v: Any) -> tuple[tuple[int, ...], str]:
+        """The IR shape and dtype of a jaxpr variable (PRNG keys in their physical form)."""
+        aval = physical_aval(v.aval)
+        return tuple(int(d) for d in aval.shape), _dtype_name(aval)
+
     def const(self, value: Any) -> Var | Literal:
         arr = np.asarray(physical_value(value))
         if arr.ndim == 0 and arr.dtype.kind in "biuf":
@@ -163,6 +172,14 @@ class _Builder:
                 self.call_sites.pop()
                 for ov, o in zip(e.outvars, results):
                     env[ov] = o
+                continue
+            if name in _CONTROL:
+                where = _where(e) or outer
+                stack = _stack(e, outer_stack)
+                self.call_sites.append(e.source_info)
+                results = _CONTROL[name](self, e, ins, where, stack, _kernel(stack), self.shape_of)
+                self.call_sites.pop()
+                env.update(zip(e.outvars, results))
                 continue
             where = _where(e) or outer
             entry = get(name)

@@ -20,7 +20,7 @@ from partir_emu.errors import UnsupportedPrimitiveError
 
 # Libraries whose frames are never the user's (when they are imported at all).
 LIBRARIES = ("flax", "optax", "equinox", "jaxtyping", "chex", "haiku")
-_LOOPS = {"scan", "while", "cond", "fori_loop", "switch"}
+_LOOPS = {"while"}    # scan is unrolled and cond selected by the tracer (compiler.trace_loops)
 _FRAMES_SHOWN = 3
 
 
@@ -53,9 +53,9 @@ def user_frame(source_infos: Sequence[Any]) -> str:
 def advice(name: str) -> str:
     base = name.split(" ", 1)[0]
     if base in _LOOPS:
-        return ("loops and conditionals are not supported yet: unroll the loop in Python (a `for` loop "
-                "over the iterations, or a Python list of layers instead of `nn.scan`), and write a "
-                "conditional as `jnp.where`/`lax.select` or as a Python `if` on a static value")
+        return ("a `while` loop whose trip count is known only at run time is not supported yet: give "
+                "`fori_loop` static bounds (it becomes a scan, which is supported), or unroll the loop in "
+                "Python (a `for` loop over the iterations)")
     if "PRNG key implementation" in name:
         return "use jax's default PRNG implementation, threefry2x32 (no `impl=` argument to jax.random.key)"
     if "on a PRNG key array" in name:
