@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.collectives.transfers import Message, Step, TableSteps, Transfer, TransferTable
+from partir_emu.core.spmd import check_pairs
 from partir_emu.errors import CollectiveError
 
 KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
@@ -343,17 +344,6 @@ def validate_schedule(sched: CollectiveSchedule) -> None:
 
 
 def check_permutation(permutation: Sequence[Sequence[int]] | None, p: int) -> tuple[tuple[int, int], ...]:
-    """Normalize and check a collective_permute ``((src, dst), ...)`` over ``p`` members."""
-    if permutation is None:
-        raise CollectiveError("collective_permute needs permutation=((src, dst), ...); pass the pairs")
-    try:
-        pairs = tuple((int(s), int(d)) for s, d in permutation)
-    except (TypeError, ValueError) as e:
-        raise CollectiveError(f"permutation {permutation!r} must be a sequence of (src, dst) pairs") from e
-    for s, d in pairs:
-        if not (0 <= s < p and 0 <= d < p):
-            raise CollectiveError(f"permutation pair {(s, d)} is outside the group positions 0..{p - 1}")
-    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
-    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise CollectiveError(f"permutation {pairs} repeats a source or a destination; each may appear once")
-    return pairs
+    """Normalize and check a collective_permute ``((src, dst), ...)`` over ``p`` members
+    (:func:`partir_emu.core.spmd.check_pairs`, the one check the IR also uses)."""
+    return check_pairs(permutation, p)

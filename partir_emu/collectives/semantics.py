@@ -12,6 +12,10 @@ all_to_all             member ``j``: block ``j`` (along ``split_dim``) of every 
 collective_permute     member ``d``: the input of ``s`` for each pair ``(s, d)``, else zeros
 =====================  ==========================================================================
 
+A collective_permute's pairs are positions within the group, each source and each target at most
+once (as XLA's collective-permute). An SPMD program may spell them as a shift (``shift``, ``wrap``):
+:func:`partir_emu.core.spmd.permute_pairs` expands either spelling to the ``permutation`` given here.
+
 Reduction precision: a reduction adds in the operands' dtype, each addition rounded to it. For
 bfloat16 that is what NCCL and TPU ICI reductions do (every hop of a ring rounds to bfloat16;
 ml_dtypes adds in float32 and rounds), so a bfloat16 all_reduce over ``p`` members carries up to

@@ -10,6 +10,7 @@ The file is JSON Lines. Line 1 is the header::
      "devices_per_node": null | int, "algorithm": "ring",
      "collectives": {"<coll>": {"prim": "all_reduce", "axes": ["batch"],
                                 "bytes": full-buffer bytes, "itemsize": element bytes}}}
+                                (a collective_permute adds "pairs": [[src, dst], ...], group positions)
 
 then one line per transfer, sorted by ``(coll, step, src, dst)``::
 
@@ -39,7 +40,7 @@ import numpy as np
 
 from partir_emu.core.ir import itemsize
 from partir_emu.core.mesh import Mesh
-from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, collective_bytes
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, collective_bytes, permute_pairs
 from partir_emu.errors import ArtifactError, PartirError
 
 FORMAT = "partir-emu-message-trace"
@@ -48,11 +49,18 @@ COLUMNS = ("coll", "step", "src", "dst", "bytes")
 _RECORD = "`partir-emu run … --backend mpi --trace-messages FILE`"
 
 
+def _pairs(e, mesh: Mesh) -> dict[str, Any]:
+    """A collective_permute's pairs (group positions) for its header entry; nothing for the others."""
+    if e.prim != "collective_permute":
+        return {}
+    return {"pairs": [list(x) for x in permute_pairs(e.params, mesh.group_size(e.params["axes"]))]}
+
+
 def trace_header(spmd: SpmdProgram, *, ranks: int, devices_per_rank: int, algorithm: str,
                  devices_per_node: int | None = None) -> dict[str, Any]:
     """The header of a trace of ``spmd`` run on ``ranks`` × ``devices_per_rank`` devices."""
     colls = {str(i): {"prim": e.prim, "axes": list(e.params["axes"]), "bytes": collective_bytes(e),
-                      "itemsize": itemsize(e.inputs[0].dtype)}
+                      "itemsize": itemsize(e.inputs[0].dtype), **_pairs(e, spmd.mesh)}
              for i, e in enumerate(spmd.program.eqns) if e.prim in COMM_PRIMS}
     return {"format": FORMAT, "version": VERSION, "mesh": spmd.mesh.to_json(), "devices": spmd.mesh.size,
             "ranks": ranks, "devices_per_rank": devices_per_rank, "devices_per_node": devices_per_node,

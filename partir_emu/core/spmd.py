@@ -11,8 +11,19 @@ mesh coordinates, major→minor in the order the axes are listed:
 ``reduce_scatter[axes, dim]``        sum over the group, keep block ``group_index`` of ``dim``
 ``all_to_all[axes, split_dim, concat_dim]`` split ``split_dim`` into g blocks, send block j
                                      to member j, concatenate the received along ``concat_dim``
+``collective_permute[axes, pairs]``  member ``d`` gets the input of member ``s`` for each pair ``(s, d)``
+                                     (positions within the group), zeros if it is no target
 ``all_slice[axes, dim]``             keep block ``group_index`` of ``dim`` (local, no traffic)
 ``to_partial[axes]``                 keep the value on group member 0, zeros elsewhere (local)
+
+**collective_permute params** (as XLA's collective-permute, within each group): the canonical
+spelling is ``pairs=((src, dst), ...)``, each source and each target at most once; a pair
+``(i, i)`` keeps the value in place without traffic. The shorthand ``shift=k, wrap=bool``
+(what halo exchanges use) means the pairs ``(i, i + k)`` for every position ``i``, taken mod ``p``
+when ``wrap`` and dropped where ``i + k`` leaves ``0..p-1`` otherwise; it is kept as written (it does
+not depend on the group size) and every consumer reads :func:`permute_pairs`, which expands it.
+Over several axes the positions are the group index (major→minor), so a shift moves along the
+flattened group; a halo exchange along one mesh axis names that axis alone.
 
 This module does not import jax: the MPI ranks and the hardware models load
 SpmdPrograms from files written here.
@@ -23,6 +34,7 @@ import base64
 import json
 import os
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +44,12 @@ from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.ir import Eqn, Literal, Program, Var, nbytes
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
-from partir_emu.errors import ArtifactError
+from partir_emu.errors import ArtifactError, CollectiveError
 
 FORMAT = "partir-spmd"
 VERSION = 1
 
-COMM_PRIMS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+COMM_PRIMS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute")
 LOCAL_COLLECTIVE_PRIMS = ("all_slice", "to_partial")
 COLLECTIVE_PRIMS = COMM_PRIMS + LOCAL_COLLECTIVE_PRIMS
 
@@ -51,10 +63,64 @@ def collective_bytes(e: Eqn) -> int:
 
 def collective_wire_bytes(e: Eqn, group: int) -> float:
     """Bytes one device sends under a bandwidth-optimal algorithm (ring):
-    (g-1)/g of the buffer, twice that for all_reduce."""
+    (g-1)/g of the buffer, twice that for all_reduce; for collective_permute the mean over the
+    group of what a device sends (its whole block if it is the source of a moving pair)."""
     n = collective_bytes(e)
+    if e.prim == "collective_permute":
+        return n * sum(s != d for s, d in permute_pairs(e.params, group)) / group
     f = 2 if e.prim == "all_reduce" else 1
     return f * n * (group - 1) / group
+
+
+def shift_pairs(p: int, shift: int, wrap: bool) -> tuple[tuple[int, int], ...]:
+    """The pairs of a shift by ``shift`` positions over a group of ``p`` (see the module docstring)."""
+    if wrap:
+        return tuple((i, (i + shift) % p) for i in range(p))
+    return tuple((i, i + shift) for i in range(p) if 0 <= i + shift < p)
+
+
+def permute_pairs(params: Mapping[str, Any], p: int) -> tuple[tuple[int, int], ...]:
+    """The checked ``(src, dst)`` pairs of a collective_permute's ``params`` over a group of ``p``
+    (``pairs``, or the ``shift``/``wrap`` shorthand expanded); CollectiveError if they are malformed."""
+    has_pairs, has_shift = "pairs" in params, "shift" in params
+    if has_pairs == has_shift:
+        raise CollectiveError(f"collective_permute params {dict(params)!r} must give either pairs=((src, dst), ...) "
+                              "or shift=k with wrap=True|False, not both or neither")
+    if has_shift:
+        shift, wrap = params["shift"], params.get("wrap")
+        if isinstance(shift, bool) or not isinstance(shift, (int, np.integer)) or not isinstance(wrap, bool):
+            raise CollectiveError(f"collective_permute shift={shift!r}, wrap={wrap!r}: shift must be an int and "
+                                  "wrap a bool")
+        return shift_pairs(p, int(shift), wrap)
+    return check_pairs(params["pairs"], p)
+
+
+def permute_spec(params: Mapping[str, Any]) -> tuple:
+    """A hashable key of a collective_permute's pairs as written (``pairs``, or ``shift`` and ``wrap``),
+    for tables that do not know the group size; ``permute_pairs(dict(spec), p)`` expands it."""
+    if "pairs" in params and params["pairs"] is not None:
+        try:
+            return (("pairs", tuple((int(s), int(d)) for s, d in params["pairs"])),)
+        except (TypeError, ValueError) as e:
+            raise CollectiveError(f"permutation {params['pairs']!r} must be a sequence of (src, dst) pairs") from e
+    return tuple((k, params[k]) for k in ("pairs", "shift", "wrap") if k in params)
+
+
+def check_pairs(pairs: Any, p: int) -> tuple[tuple[int, int], ...]:
+    """``pairs`` as a tuple of int pairs within ``0..p-1``, each source and target once; else CollectiveError."""
+    if pairs is None:
+        raise CollectiveError("collective_permute needs permutation=((src, dst), ...); pass the pairs")
+    try:
+        out = tuple((int(s), int(d)) for s, d in pairs)
+    except (TypeError, ValueError) as e:
+        raise CollectiveError(f"permutation {pairs!r} must be a sequence of (src, dst) pairs") from e
+    for s, d in out:
+        if not (0 <= s < p and 0 <= d < p):
+            raise CollectiveError(f"permutation pair {(s, d)} is outside the group positions 0..{p - 1}")
+    srcs, dsts = [s for s, _ in out], [d for _, d in out]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise CollectiveError(f"permutation {out} repeats a source or a destination; each may appear once")
+    return out
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import numpy as np
 from partir_emu.core.analysis import dependencies
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
-from partir_emu.core.spmd import SpmdProgram, collective_bytes
+from partir_emu.core.spmd import SpmdProgram, collective_bytes, permute_spec
 from partir_emu.hwmodels.comm import CollectiveCost, CommModel, PriceCache
 from partir_emu.hwmodels.costs import KINDS, cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.fusion import FusionCache, eqn_times
@@ -166,10 +166,10 @@ class ProgramCosts:
     kind: np.ndarray             # index into KINDS
     prim_index: np.ndarray       # index into prim_names
     prim_names: tuple[str, ...]
-    comm: tuple[tuple[int, str, tuple[str, ...], int, str], ...]   # (index, prim, axes, nbytes, dtype)
+    comm: tuple[tuple[int, str, tuple[str, ...], int, str, tuple | None], ...]   # (index, prim, axes, nbytes, dtype, perm)
     memory: MemoryProfile
     comm_index: np.ndarray       # equation index of each entry of ``comm``
-    comm_keys: tuple[tuple[str, tuple[str, ...], int, str], ...]   # distinct (prim, axes, nbytes, dtype), first seen first
+    comm_keys: tuple[tuple[str, tuple[str, ...], int, str, tuple | None], ...]   # distinct comm[1:], first seen first
     comm_inverse: np.ndarray     # for each entry of ``comm``: its index in ``comm_keys``
     is_comm: np.ndarray          # per equation: a communicating collective?
     fusion: FusionCache          # the groups the chip's compiler forms, per compiler variant (built on demand)
@@ -205,7 +205,8 @@ def analyze(program: Program) -> ProgramCosts:
         if k == "matmul":
             rate[i] = _RATE_MM16 if e.inputs[0].dtype in MATMUL_16BIT_DTYPES else _RATE_MM32
         elif k == "collective":
-            comm.append((i, prim, tuple(e.params["axes"]), collective_bytes(e), e.inputs[0].dtype))
+            comm.append((i, prim, tuple(e.params["axes"]), collective_bytes(e), e.inputs[0].dtype,
+                         permute_spec(e.params) if prim == "collective_permute" else None))
     keys: dict[tuple, int] = {}
     inverse = [keys.setdefault(c[1:], len(keys)) for c in comm]
     comm_index = np.array([c[0] for c in comm], dtype=np.int64)
@@ -322,8 +323,8 @@ class Analyzer:
         pc = self.analysis(spmd.program)
         times = compute_times(pc, spec)
         model = CommModel(placement, algorithms, self.prices)
-        # all collectives with the same (prim, axes, nbytes, dtype) cost the same: price each distinct one once
-        costs = [model.cost(prim, axes, nbytes, dtype) for prim, axes, nbytes, dtype in pc.comm_keys]
+        # all collectives with the same (prim, axes, nbytes, dtype, perm) cost the same: price each distinct one once
+        costs = [model.cost(*key) for key in pc.comm_keys]
         is_comm = pc.is_comm
         if costs:
             times[pc.comm_index] = np.array([c.time_s for c in costs])[pc.comm_inverse]
@@ -339,7 +340,7 @@ class Analyzer:
             step_s = compute_s + comm_s
             comm_starts = np.concatenate(([0.0], np.cumsum(times)[:-1]))[pc.comm_index].tolist() if pc.comm else []
         rows = [CollectiveRow(i, prim, axes, nbytes, c.group_size, c.algorithm, c.time_s, s0)
-                for (i, prim, axes, nbytes, _), c, s0 in zip(pc.comm, (costs[k] for k in pc.comm_inverse.tolist()),
+                for (i, prim, axes, nbytes, *_), c, s0 in zip(pc.comm, (costs[k] for k in pc.comm_inverse.tolist()),
                                                               comm_starts)]
         fplan = pc.fusion.plan(spec.compiler)
         # a fused group's time and bytes are reported under its dominant equation (FusionPlan.rep)
@@ -404,7 +405,7 @@ def _breakdowns(pc: ProgramCosts, times: np.ndarray, byts: np.ndarray, costs: li
     by_coll: dict[str, dict[str, float]] = {}
     by_axes: dict[str, dict[str, float]] = {}
     counts = np.bincount(pc.comm_inverse, minlength=len(costs)).tolist() if costs else []
-    for (prim, axes, nbytes, _), c, cnt in zip(pc.comm_keys, costs, counts):
+    for (prim, axes, nbytes, *_), c, cnt in zip(pc.comm_keys, costs, counts):
         for table, key in ((by_coll, prim), (by_axes, ",".join(axes))):
             d = table.setdefault(key, {"count": 0, "time_s": 0.0, "bytes": 0})
             d["count"] += cnt

@@ -10,6 +10,10 @@ messages cross:
   (links are directed: the two directions of a cable do not share);
 - a step takes as long as its slowest message; a collective is the sum of its steps.
 
+A collective_permute is one step in which every source sends its whole block to its target
+(its ``perm``, :func:`~partir_emu.core.spmd.permute_spec`, names the pairs): ``alpha + bytes / bw``
+over each message's route, shared where messages cross one link.
+
 All groups of one collective have the same shape, so one representative group
 (the one holding device 0) is priced. Contention *between* the concurrent groups
 of a collective is modelled only by the DES.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.schedule import CollectiveSchedule
 from partir_emu.core.ir import itemsize as dtype_itemsize
+from partir_emu.core.spmd import permute_pairs
 from partir_emu.errors import CollectiveError
 from partir_emu.hwmodels.placement import GroupLayout, Placement
 from partir_emu.hwmodels.topology import Topology
@@ -146,7 +151,8 @@ class PriceCache:
 
 class CommModel:
     """Prices collectives over mesh axes on one placement; remembers each price by
-    (kind, axes, nbytes, dtype, algorithm), in ``prices`` when given (shared between models)."""
+    (kind, axes, nbytes, dtype, algorithm, perm), in ``prices`` when given (shared between models).
+    ``perm`` is a collective_permute's :func:`~partir_emu.core.spmd.permute_spec` (None for the others)."""
 
     def __init__(self, placement: Placement, algorithms: str | dict[str, str] | None = None,
                  prices: PriceCache | None = None) -> None:
@@ -158,16 +164,17 @@ class CommModel:
         a = self.algorithms
         return a.get(kind) if isinstance(a, dict) else a
 
-    def cost(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32") -> CollectiveCost:
+    def cost(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32",
+             perm: tuple | None = None) -> CollectiveCost:
         requested = self.requested(kind)
-        key = (kind, axes, nbytes, dtype, requested)
+        key = (kind, axes, nbytes, dtype, requested, perm)
         c = self._cache.get(key)
         if c is None:
-            c = self._cache[key] = self._compute(kind, axes, nbytes, dtype, requested)
+            c = self._cache[key] = self._compute(kind, axes, nbytes, dtype, perm)
         return c
 
-    def schedule(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32"
-                 ) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
+    def schedule(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32",
+                 perm: tuple | None = None) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
         """The algorithm choice and schedule this model prices for one collective (``None``: no traffic).
         The DES replays exactly this schedule on every group."""
         group = self.placement.group(axes)
@@ -177,13 +184,18 @@ class CommModel:
         isz = dtype_itemsize(dtype)
         if nbytes % isz:
             isz = math.gcd(nbytes, isz)
+        pairs = None
+        if kind == "collective_permute":
+            # pairs name group positions; the schedule's positions follow choice.chips (GPU: by node)
+            at = {c: i for i, c in enumerate(choice.chips)}
+            pairs = tuple((at[group.chips[s]], at[group.chips[d]]) for s, d in permute_pairs(dict(perm or ()), group.size))
         sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
-                               devices_per_node=choice.devices_per_node)
+                               devices_per_node=choice.devices_per_node, permutation=pairs)
         return choice, sched
 
     def _compute(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str,
-                 requested: str | None) -> CollectiveCost:
-        built = self.schedule(kind, axes, nbytes, dtype)
+                 perm: tuple | None) -> CollectiveCost:
+        built = self.schedule(kind, axes, nbytes, dtype, perm)
         if built is None:
             return CollectiveCost(kind, "none", self.placement.group(axes).size, nbytes, 0.0, 0, 0, 0)
         choice, sched = built

@@ -1,8 +1,9 @@
 """The SPMD primitives that lowering emits (never traced from a jaxpr).
 
 - The communicating collectives (``all_gather``, ``all_reduce``, ``reduce_scatter``,
-  ``all_to_all``; :data:`partir_emu.core.spmd.COMM_PRIMS`, the file format's vocabulary) have
-  no impl here: the meshes run them, and the communication model prices them (cost 0 here).
+  ``all_to_all``, ``collective_permute``; :data:`partir_emu.core.spmd.COMM_PRIMS`, the file
+  format's vocabulary, whose docstring gives each one's meaning and params) have no impl here:
+  the meshes run them, and the communication model prices them (cost 0 here).
 - The local ones run per device without traffic, so their value depends on the device:
   ``all_slice`` keeps block ``group_index`` of ``dim``; ``to_partial`` keeps the value on
   group member 0 and zeros elsewhere; ``axis_index`` is this device's index along mesh axes

@@ -105,7 +105,7 @@ def restore_result(kind: str, r: np.ndarray, x_shape: tuple[int, ...], mshape: t
                    **_: Any) -> np.ndarray:
     """Inverse of :func:`flatten_operand` for the collective's result (LocalMesh's layout)."""
     r = r.astype(dtype, copy=False)
-    if kind == "all_reduce":
+    if kind in ("all_reduce", "collective_permute"):
         return r.reshape(x_shape)
     if kind == "all_gather":
         return np.moveaxis(r.reshape((p * mshape[0],) + mshape[1:]), 0, dim)

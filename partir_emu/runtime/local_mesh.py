@@ -30,7 +30,7 @@ from partir_emu.collectives.semantics import reference
 from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.ir import Eqn
 from partir_emu.core.mesh import Mesh
-from partir_emu.core.spmd import SpmdProgram
+from partir_emu.core.spmd import SpmdProgram, permute_pairs
 from partir_emu.errors import ArgumentError, CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import run_spmd
 from partir_emu.runtime.layout import collective_dims, flatten_operand, restore_result, shard, unshard
@@ -77,25 +77,26 @@ class LocalMesh:
         kind, axes, dims = eqn.prim, tuple(eqn.params["axes"]), collective_dims(eqn.params)
         op = eqn.params.get("op", "sum") if kind == "all_reduce" else "sum"
         group_shape = tuple(self.mesh.axis_size(a) for a in axes)
+        perm = permute_pairs(eqn.params, self.mesh.group_size(axes)) if kind == "collective_permute" else None
         out: dict[int, np.ndarray] = {}
         for group in self.mesh.groups(axes):
             bufs = [operands[d] for d in group]
             if self.algorithm == "direct" or len(group) == 1:
-                res = reference(kind, bufs, op, None, **dims)
+                res = reference(kind, bufs, op, perm, **dims)
             else:
-                res = self._scheduled(kind, bufs, group_shape, op, dims)
+                res = self._scheduled(kind, bufs, group_shape, op, dims, perm)
             out.update(zip(group, res))
         return out
 
     def _scheduled(self, kind: str, bufs: Sequence[np.ndarray], group_shape: tuple[int, ...], op: str,
-                   dims: dict[str, int]) -> list[np.ndarray]:
+                   dims: dict[str, int], perm: tuple[tuple[int, int], ...] | None = None) -> list[np.ndarray]:
         """Run a collective over one group through its schedule, on flat buffers."""
         p = len(bufs)
         x0 = bufs[0]
         flat = [flatten_operand(kind, b, **dims) for b in bufs]
         nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
         sched = build_schedule(kind, group_shape, nbytes, self.algorithm, itemsize=x0.dtype.itemsize,
-                               devices_per_node=self.devices_per_node)
+                               devices_per_node=self.devices_per_node, permutation=perm)
         res = self.executor.run(sched, [f for f, _ in flat], op)
         return [restore_result(kind, r, x0.shape, flat[0][1], p, x0.dtype, **dims) for r in res]
 

@@ -65,7 +65,7 @@ from partir_emu.collectives.semantics import reference
 from partir_emu.core.ir import Eqn, Var
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
-from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, permute_pairs
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import EngineResult, run_spmd
 from partir_emu.runtime.jobs import MPI_ALGORITHMS
@@ -314,8 +314,9 @@ class MpiMesh:
         kind, params = eqn.prim, dict(eqn.params)
         groups = self.local_groups(axes)
         p = len(groups[0])
+        perm = permute_pairs(params, p) if kind == "collective_permute" else None
         if p == 1:
-            return {g[0]: reference(kind, [operands[g[0]]], **collective_dims(params))[0] for g in groups}
+            return {g[0]: reference(kind, [operands[g[0]]], "sum", perm, **collective_dims(params))[0] for g in groups}
         flat = {d: flatten_operand(kind, x, **params) for d, x in operands.items()}
         op = params.get("op", "sum") if kind == "all_reduce" else "sum"
         results: dict[int, np.ndarray] = {}
@@ -323,14 +324,14 @@ class MpiMesh:
             for g in groups:
                 local = {pos: flat[d][0] for pos, d in enumerate(g) if d in flat}
                 res = self.collectives.run_native(kind, g, self.rank_of, local, op, tag_base=self._next_tag(2),
-                                                  timeout_s=self.timeout_s)
+                                                  timeout_s=self.timeout_s, permutation=perm)
                 for pos, r in res.items():
                     results[g[pos]] = r
         else:
             group_shape = tuple(self.mesh.axis_size(a) for a in axes)
             nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
             sched = build_schedule(kind, group_shape, nbytes, self.algorithm, itemsize=x0.dtype.itemsize,
-                                   devices_per_node=self.devices_per_node)
+                                   devices_per_node=self.devices_per_node, permutation=perm)
             jobs = [(sched, g, {pos: flat[d][0] for pos, d in enumerate(g) if d in flat}) for g in groups]
             trace: list | None = [] if self.tracing else None
             if fault == "kill":      # die once this rank is inside the collective (test hook)

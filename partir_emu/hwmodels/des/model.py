@@ -128,7 +128,7 @@ class Simulation:
         self.router = Router(topo, factors)
         pc = analyzer.analysis(spmd.program)
         self.times = compute_times(pc, spec)
-        self.comm = pc.comm                                     # (index, prim, axes, nbytes, dtype)
+        self.comm = pc.comm                                     # (index, prim, axes, nbytes, dtype, perm)
         C = len(self.comm)
         self.comm_model = CommModel(placement, algorithms, analyzer.prices)
         plan = sched = None
@@ -161,9 +161,9 @@ class Simulation:
                                options.symmetry)
         self.runs: list[CollectiveRun | None] = [None] * C
         self._groups: dict[tuple[str, ...], Groups] = {}
-        # step plans per distinct collective (prim, axes, nbytes, dtype): its schedule is fixed by the
+        # step plans per distinct collective (prim, axes, nbytes, dtype, perm): its schedule is fixed by the
         # placement and algorithms of this simulation, so repeats of a collective share their plans
-        self._plans: dict[tuple[str, tuple[str, ...], int, str], list[StepPlan]] = {}
+        self._plans: dict[tuple[str, tuple[str, ...], int, str, tuple | None], list[StepPlan]] = {}
         self.colls_finished = 0
         self.step_s = float("nan")
         self.events = 0
@@ -195,16 +195,16 @@ class Simulation:
             self.colls_finished += 1
 
     def _make_run(self, c: int) -> CollectiveRun:
-        index, prim, axes, nbytes, dtype = self.comm[c]
+        index, prim, axes, nbytes, dtype, perm = self.comm[c]
         groups = self._groups.get(axes)
         if groups is None:
             groups = self._groups[axes] = make_groups(self.placement, axes)
-        built = self.comm_model.schedule(prim, axes, nbytes, dtype)
+        built = self.comm_model.schedule(prim, axes, nbytes, dtype, perm)
         if built is None:
             return CollectiveRun(self, c, index, prim, axes, nbytes, "none", groups, [])
         choice, sched = built
         assert tuple(groups.chips[0].tolist()) == tuple(choice.chips), (axes, choice.chips)
-        key = (prim, axes, nbytes, dtype)
+        key = (prim, axes, nbytes, dtype, perm)
         plans = self._plans.get(key)
         if plans is None:
             plans = self._plans[key] = step_plans(sched, groups, self.router)

@@ -53,7 +53,7 @@ def expected_rows(head: Mapping[str, Any], coll: int, itemsize: int | None = Non
     try:
         sched = build_schedule(c["prim"], shape, int(c["bytes"]), head["algorithm"],
                                itemsize=int(c["itemsize"]) if itemsize is None else itemsize,
-                               devices_per_node=head.get("devices_per_node"))
+                               devices_per_node=head.get("devices_per_node"), permutation=_pairs(c))
     except CollectiveError as exc:
         raise ArtifactError(f"message trace: collective {coll} of the header ({c['prim']} over {list(axes)}, "
                             f"{c['bytes']} B) has no schedule: {exc}") from None
@@ -62,6 +62,17 @@ def expected_rows(head: Mapping[str, Any], coll: int, itemsize: int | None = Non
         for s, step in enumerate(sched.steps):
             out += [(coll, s, g[t.src], g[t.dst], t.nbytes) for t in step.transfers]
     return np.array(out, dtype=np.int64).reshape(-1, 5)
+
+
+def _pairs(c: Mapping[str, Any]) -> tuple[tuple[int, int], ...] | None:
+    """A header entry's collective_permute pairs (None for the other collectives)."""
+    pairs = c.get("pairs")
+    if c.get("prim") != "collective_permute":
+        return None
+    if not isinstance(pairs, list):
+        raise ArtifactError(f"message trace: the collective_permute entry {dict(c)!r} of the header has no \"pairs\"; "
+                            "re-record the trace with this version")
+    return tuple((int(a), int(b)) for a, b in pairs)
 
 
 @dataclass(frozen=True)
@@ -257,7 +268,8 @@ def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
         sim.runs.append(CollectiveRun(sim, ci, coll, meta["prim"], tuple(meta["axes"]), int(meta["bytes"]),
                                       head["algorithm"], groups, plans))
         if meta["prim"] != "?" and head["algorithm"] != "native":
-            ana += model.cost(meta["prim"], tuple(meta["axes"]), int(meta["bytes"])).time_s
+            perm = (("pairs", _pairs(meta)),) if meta["prim"] == "collective_permute" else None
+            ana += model.cost(meta["prim"], tuple(meta["axes"]), int(meta["bytes"]), perm=perm).time_s
     if sim.runs:
         sim.runs[0].start(np.arange(n, dtype=np.int64), 0.0)
     events = 0
