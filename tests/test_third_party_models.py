@@ -41,7 +41,7 @@ class _Block(nn.Module):
     def __call__(self, x, train: bool):
         # no attention biases (as LLaMA/PaLM): Flax's key bias has an exactly-zero gradient (the softmax
         # ignores a constant added to all of a query's scores), which Adam turns into rounding-noise updates
-        h = nn.SelfAttention(num_heads=self.heads, deterministic=not train, dropout_rate=0.1, use_bias=False)(
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=not train, dropout_rate=0.1, use_bias=False)(
             nn.LayerNorm()(x), mask=nn.make_causal_mask(x[..., 0]))
         x = x + h
         h = nn.gelu(nn.Dense(4 * self.d)(nn.LayerNorm()(x)))
@@ -85,7 +85,7 @@ def _flax_case():
 class _ScanBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
-        h = nn.SelfAttention(num_heads=HEADS, use_bias=False, deterministic=True)(
+        h = nn.MultiHeadDotProductAttention(num_heads=HEADS, use_bias=False, deterministic=True)(
             nn.LayerNorm()(x), mask=nn.make_causal_mask(x[..., 0]))
         x = x + h
         return x + nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(nn.LayerNorm()(x)))), None
@@ -127,11 +127,11 @@ def _scan_case():
 
 
 _SCAN = "params/params/ScanCheckpoint_ScanBlock_0"
-_SCAN_MP = {f"{_SCAN}/SelfAttention_0/query/kernel": 2, f"{_SCAN}/SelfAttention_0/key/kernel": 2,
-            f"{_SCAN}/SelfAttention_0/value/kernel": 2, f"{_SCAN}/SelfAttention_0/out/kernel": 1,
+_SCAN_MP = {f"{_SCAN}/MultiHeadDotProductAttention_0/query/kernel": 2, f"{_SCAN}/MultiHeadDotProductAttention_0/key/kernel": 2,
+            f"{_SCAN}/MultiHeadDotProductAttention_0/value/kernel": 2, f"{_SCAN}/MultiHeadDotProductAttention_0/out/kernel": 1,
             f"{_SCAN}/Dense_0/kernel": 2, f"{_SCAN}/Dense_0/bias": 1, f"{_SCAN}/Dense_1/kernel": 1}
 
-_ATTN = "params/params/*/SelfAttention_0"
+_ATTN = "params/params/*/MultiHeadDotProductAttention_0"
 _FLAX_MP = {f"{_ATTN}/query/kernel": 1, f"{_ATTN}/key/kernel": 1, f"{_ATTN}/value/kernel": 1,
             f"{_ATTN}/out/kernel": 0, "params/params/*/Dense_0/kernel": 1, "params/params/*/Dense_0/bias": 0,
             "params/params/*/Dense_1/kernel": 0}
