@@ -28,7 +28,7 @@ test-fast: setup
 	$(PY) -m pytest -n $(JOBS) -q -m "not mpi and not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check partir_emu scenarios tests benchmarks
+	$(VENV)/bin/ruff check partir_emu scenarios tests benchmarks examples
 
 typecheck: setup
 	$(VENV)/bin/mypy
