@@ -60,6 +60,8 @@ def normalize_param(v: Any) -> Any:
         return bool(v)
     if isinstance(v, enum.Enum):
         return v.name
+    if isinstance(v, jcore.Primitive):  # select_and_scatter_add's select_prim: by name ("ge")
+        return v.name
     if hasattr(v, "_fields"):  # NamedTuple: Gather/ScatterDimensionNumbers
         return {f: normalize_param(getattr(v, f)) for f in v._fields}
     if isinstance(v, (tuple, list)):

@@ -52,6 +52,7 @@ from partir_emu.hwmodels.costs import op_kind
 from partir_emu.hwmodels.efficiency import CompilerSpec, hbm_fraction, matmul_efficiency
 from partir_emu.hwmodels.specs import MATMUL_16BIT_DTYPES, HardwareSpec
 from partir_emu.primitives._costs import buffer_bytes
+from partir_emu.primitives.conv import conv_gemm_dims
 
 CHEAP, LOOP, REDUCE, DOT, OPAQUE = range(5)
 _CHEAP = frozenset({"broadcast_in_dim", "iota", "axis_index"})
@@ -375,6 +376,8 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
 
 
 def _dot_dims(e) -> tuple[int, int, int, int]:
+    if e.prim == "conv_general_dilated":   # the other matmul-kind primitive: its implicit GEMM
+        return conv_gemm_dims(e)
     lhs, rhs = e.inputs[0], e.inputs[1]
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
     prod = np.prod

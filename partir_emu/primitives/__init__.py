@@ -7,7 +7,8 @@ the registry through the names re-exported here, so that they always see it fill
 :func:`rule_for` is the sharding rule of one equation.
 
 Families: ``elementwise``, ``bits`` (shifts, bit counts, bitcasts), ``shape``, ``reduce``
-(reductions, scans, sort, top_k), ``dot``, ``gather``, ``scatter`` (set/add/mul/min/max),
+(reductions, scans, sort, top_k), ``dot``, ``conv`` (convolutions), ``window``
+(pooling: reduce_window_*, select_and_scatter_add), ``gather``, ``scatter`` (set/add/mul/min/max),
 ``rng`` (jax.random's threefry primitives), ``collectives`` (the SPMD primitives lowering emits).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from partir_emu.errors import UnsupportedPrimitiveError
 from partir_emu.primitives import (  # noqa: F401  (register)
     bits,
     collectives,
+    conv,
     dot,
     elementwise,
     gather,
@@ -26,6 +28,7 @@ from partir_emu.primitives import (  # noqa: F401  (register)
     rng,
     scatter,
     shape,
+    window,
 )
 
 __all__ = ["KINDS", "Primitive", "get", "lookup", "names", "registered", "rule_for"]

@@ -82,7 +82,10 @@ def reshape_factors(b: RuleBuilder, ishape, oshape) -> tuple[Dims, Dims]:
 
 def reshape_rule(eqn: Eqn) -> FactorRule:
     b = RuleBuilder()
-    idims, odims = reshape_factors(b, eqn.inputs[0].shape, eqn.outputs[0].shape)
+    x = eqn.inputs[0]
+    perm = eqn.params.get("dimensions") or tuple(range(x.ndim))   # reshape of transpose(x, perm)
+    tdims, odims = reshape_factors(b, tuple(x.shape[d] for d in perm), eqn.outputs[0].shape)
+    idims = [tdims[perm.index(d)] for d in range(x.ndim)]
     return b.rule([idims] + [() for _ in eqn.inputs[1:]], [odims], linear=True)
 
 
