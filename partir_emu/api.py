@@ -109,10 +109,14 @@ class Jitted:
         return (tree, tuple((np.shape(x), _dtype_name(x)) for x in leaves)), leaves, tree
 
     def lower(self, *args: Any) -> Lowered:
+        return self._lower(args, self._key(args))
+
+    def _lower(self, args: tuple, keyed: tuple[Any, list, Any]) -> Lowered:
+        """The Lowered for ``args``, whose :meth:`_key` is ``keyed`` (computed once per call)."""
         if self._nargs is not None and len(args) != self._nargs:
             raise ArgumentError(f"{getattr(self.fn, '__name__', 'function')} takes {self._nargs} argument(s), "
                                 f"got {len(args)}")
-        key, _, tree = self._key(args)
+        key, _, tree = keyed
         if key not in self._cache:
             prog = trace(self.fn, *args)
             low = lower_program(prog, self.mesh, self.schedule, self.state_outputs, self.cost_model)
@@ -123,9 +127,9 @@ class Jitted:
         return self._cache[key]
 
     def __call__(self, *args: Any):
-        low = self.lower(*args)
-        _, leaves, _ = self._key(args)
-        flat = [np.asarray(x) for x in leaves]
+        keyed = self._key(args)
+        low = self._lower(args, keyed)
+        flat = [np.asarray(x) for x in keyed[1]]
         if self.backend == "mpi":
             from partir_emu import mpi  # here: importing mpi4py initialises MPI, only MPI users may
             outs = mpi.run(low.spmd, flat, devices_per_rank=self.devices_per_rank, algorithm=self.algorithm,
