@@ -112,7 +112,7 @@ def test_file_format_round_trip_runs_identically(case, tmp_path):
     b = LocalMesh(mesh).run(back, inputs).outputs
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     data = json.loads(path.read_text())
-    assert data["format"] == "partir-spmd" and data["version"] == 1
+    assert data["format"] == "partir-spmd" and data["version"] == 2
     assert "pickle" not in path.read_text()
 
 

@@ -1,6 +1,6 @@
-"""``scan``, ``fori_loop`` and ``cond`` trace (compiler/trace_loops.py: scan unrolled, cond as a
-select over every branch), partition and match ``jax.jit``, forward and gradient; a ``while``
-with a run-time trip count is still refused, with advice."""
+"""``scan``, ``fori_loop`` and ``cond`` trace (compiler/trace_loops.py: scan as one loop equation,
+its body traced once; cond as a select over every branch), partition and match ``jax.jit``,
+forward and gradient; a ``while`` with a run-time trip count is still refused, with advice."""
 from __future__ import annotations
 
 import jax
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import partir_emu as pe
+from partir_emu.core.loops import unroll
 from partir_emu.errors import UnsupportedPrimitiveError
 
 RNG = np.random.default_rng(0)
@@ -41,11 +42,17 @@ def test_scan_forward_and_gradient(reverse):
     _check(jax.grad(f), W, X)
 
 
-def test_scan_is_unrolled_once_per_iteration():
-    one = pe.trace(lambda w, x: _scan_loss(w[:1], x), W, X)
+def test_scan_is_one_loop_whose_body_is_traced_once():
+    one = pe.trace(lambda w, x: _scan_loss(w, x), W[:1], X)
     four = pe.trace(lambda w, x: _scan_loss(w, x), W, X)
-    dots = [sum(e.prim == "dot_general" for e in p.eqns) for p in (one, four)]
-    assert dots == [1, 4]
+    for p, n in ((one, 1), (four, 4)):
+        (loop,) = [e for e in p.eqns if e.prim == "loop"]
+        assert loop.params["length"] == n
+        assert sum(e.prim == "dot_general" for e in loop.params["body"].eqns) == 1
+        assert not any(e.prim == "dot_general" for e in p.eqns)          # the matmul is in the body only
+    assert len(one.eqns) == len(four.eqns)                                 # the program does not grow
+    # unrolled (the reference semantics) it has one matmul per iteration
+    assert sum(e.prim == "dot_general" for e in unroll(four).eqns) == 4
 
 
 def test_fori_loop_with_static_bounds():
@@ -78,3 +85,21 @@ def test_a_run_time_while_is_refused_with_advice():
         return jax.lax.while_loop(lambda c: jnp.sum(c) < 100.0, lambda c: c * 2.0, x)
     with pytest.raises(UnsupportedPrimitiveError, match="while.*fori_loop"):
         pe.trace(f, np.abs(X) + 1.0)
+
+
+def test_a_while_with_a_trip_count_known_at_trace_time_is_a_loop():
+    """``fori_loop`` with bounds jax keeps as traced values (here jnp scalars) is a ``while``; its
+    count is known once traced, so it is a loop of that count (forward only: jax has no reverse-mode
+    gradient of a while)."""
+    def f(w, x):
+        return jnp.sum(jax.lax.fori_loop(jnp.int32(1), jnp.int32(4), lambda i, c: jnp.tanh(c @ w[i]), x))
+    _check(f, W, X)
+    (loop,) = [e for e in pe.trace(f, W, X).eqns if e.prim == "loop"]
+    assert loop.params["length"] == 3
+
+
+def test_a_while_whose_bounds_are_inputs_is_refused():
+    def f(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: c * 2.0, x)
+    with pytest.raises(UnsupportedPrimitiveError, match="while"):
+        pe.trace(f, X, np.int32(3))

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.core.ir import Program
+from partir_emu.core.loops import LOOP, walk
 from partir_emu.errors import EmulationError
 
 FACTOR = 4.0           # ours may be this many times further from ref64 than jax.jit itself is
@@ -131,11 +132,18 @@ class Verdict:
 
 
 def reduction_length(program: Program) -> int:
-    """The longest sum the program computes: contraction sizes of dot_general, reduced sizes of
-    reduce_sum and the length of cumulative sums (1 if there is none)."""
+    """The longest sum the program computes: contraction sizes of dot_general and of convolutions
+    (kernel window × input features), reduced sizes of reduce_sum, the length of cumulative sums
+    and the trip count of loops (a carry may accumulate over the iterations), loop bodies
+    included (1 if there is none)."""
     longest = 1
-    for e in program.eqns:
-        if e.prim == "dot_general":
+    for e, _ in walk(program):
+        if e.prim == LOOP:
+            n = int(e.params["length"])
+        elif e.prim == "conv_general_dilated":
+            rhs = e.inputs[1].shape
+            n = math.prod(rhs) // rhs[e.params["dimension_numbers"]["rhs_spec"][0]]
+        elif e.prim == "dot_general":
             (lc, _), _ = e.params["dimension_numbers"]
             n = math.prod(e.inputs[0].shape[i] for i in lc)
         elif e.prim == "reduce_sum":
@@ -151,8 +159,8 @@ def reduction_length(program: Program) -> int:
 def compute_precision(program: Program) -> str:
     """The lowest-precision float dtype the program computes in (inputs, constants and every
     equation's operands and results), ``"float32"`` if it has no float at all."""
-    names = {v.dtype for v in program.inputs} | {e_v.dtype for e in program.eqns for e_v in (*e.outputs, *e.inputs)
-                                                 if hasattr(e_v, "dtype")}
+    names = {v.dtype for v in program.inputs} | {e_v.dtype for e, _ in walk(program)
+                                                 for e_v in (*e.outputs, *e.inputs) if hasattr(e_v, "dtype")}
     floats = [n for n in names if n in UNIT_ROUNDOFF]
     return max(floats, key=UNIT_ROUNDOFF.__getitem__, default="float32")
 

@@ -30,6 +30,12 @@ KINDS = {
     "producer": "a value's producer cannot compute the tiling its consumer wants",
     "pinned": "a value pinned REPLICATED is asked to take the axis",
     "not-block": "a tiling is not a block layout at an equation",
+    "loop-dim": "a loop's stacked operand (e.g. per-layer weights of a scan) is tiled on its iteration dim, which "
+                "a loop runs on every device: it is gathered whole before the loop",
+}
+# what to do, where the general advice (split the tactic) does not apply
+ADVICE = {
+    "loop-dim": "tile another dim of the stacked operand (dim 1 or later: each iteration's slice is then tiled)",
 }
 
 
@@ -73,6 +79,6 @@ def warnings(conflicts: Sequence[Conflict], program: Program, origin_of: dict[tu
         lines.append(
             f"tactic {tactic!r} on axis {c.axis!r}: {len(cs)} conflict(s) between its own decisions "
             f"[{kind}]: {KINDS.get(kind, kind)}, e.g. {what}at [{c.eqn}] {e.prim} {e.source or '?'}; "
-            "propagation order picked the winner, so a dim may be tiled that was not meant to be: "
-            "split the tactic, one per intent (e.g. batch inputs first, then parameters)")
+            + ADVICE.get(kind, "propagation order picked the winner, so a dim may be tiled that was not meant to be: "
+                         "split the tactic, one per intent (e.g. batch inputs first, then parameters)"))
     return lines

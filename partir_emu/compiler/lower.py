@@ -6,7 +6,7 @@ the sharding it has to the one needed with the fewest collectives:
 
 * pending sums not wanted → ``all_reduce``, or ``reduce_scatter`` when the
   target tiles a dim by those very axes (an all_reduce followed by a slice
-  on the same axes is never emitted);
+  on the same axes is never emitted); a pending max/min → ``all_reduce`` with that op;
 * axes that tile a dim in the source but not the target → ``all_gather``, or
   ``all_to_all`` when the same axes move to another dim;
 * axes the target adds → ``all_slice`` (local, no traffic);
@@ -20,6 +20,9 @@ gather), so the lowering itself never duplicates a collective.
 """
 from __future__ import annotations
 
+from partir_emu.compiler.halo import lower_spatial
+from partir_emu.compiler.indexed import lower_indexed
+from partir_emu.compiler.lower_loops import lower_loop
 from partir_emu.compiler.rematerialise_gathers import (
     cast_before_gather,
     last_primal_eqn,
@@ -32,7 +35,7 @@ from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import LoweringError
-from partir_emu.primitives import get
+from partir_emu.primitives import localize_params
 
 
 class _Lowerer:
@@ -90,8 +93,9 @@ class _Lowerer:
             shape = Sharding(tuple(cur_dims)).local_shape(v.shape, mesh)
             x = self.emit(prim, [x], shape, v.dtype, params, why)
 
-        resolve = [a for a in src.partial if a not in dst.partial]
-        new_partial = [a for a in dst.partial if a not in src.partial]
+        same_op = src.partial_op == dst.partial_op
+        resolve = [a for a in src.partial if a not in dst.partial or not same_op]
+        new_partial = [a for a in dst.partial if a not in src.partial or not same_op]
         gather, slc = [], []
         for s, t in zip(src.dims, dst.dims):
             k = 0
@@ -101,7 +105,7 @@ class _Lowerer:
             slc.append(t[k:])
         # partial axes that the target tiles a dim by, right after the common prefix
         rs: dict[int, tuple[str, ...]] = {}
-        for d in range(len(slc)):
+        for d in range(len(slc) if src.partial_op == "sum" else 0):   # a pending max is all-reduced
             run = []
             for a in slc[d]:
                 if a in resolve and not any(a in r for r in rs.values()):
@@ -112,7 +116,7 @@ class _Lowerer:
                 rs[d] = tuple(run)
         rest = mesh_order(mesh, [a for a in resolve if not any(a in r for r in rs.values())])
         if rest:   # on the smaller (still tiled) buffer, before any gather
-            step("all_reduce", {"axes": rest, "op": "sum"}, cur_dims)
+            step("all_reduce", {"axes": rest, "op": src.partial_op}, cur_dims)
         for d in range(len(gather)):
             g = gather[d]
             if not g:
@@ -160,12 +164,12 @@ class _Lowerer:
             in_locals.append(lv)
             in_shardings.append(s)
         consts = []
+        body_consts = {v for r in st.index.regions.values() for v, _ in r.loop.params["body"].consts}
         for v, c in p.consts:
             self.actual[v], self.local[v] = Sharding.replicated(v.ndim), v
-            consts.append((v, c))
-        for i, e in enumerate(p.eqns):
-            self.at = i
-            self.lower_eqn(i, e)
+            if v not in body_consts:      # a body's constants stay in its body
+                consts.append((v, c))
+        self.lower_range(0, len(p.eqns))
         self.at = len(p.eqns)
         outs: list[Atom] = []
         out_shardings: list[Sharding] = []
@@ -185,6 +189,19 @@ class _Lowerer:
                            tuple(v.shape for v in p.inputs), tuple(o.shape for o in p.outputs),
                            {"tactics": list(st.tactics_applied)})
 
+    def lower_range(self, start: int, end: int) -> None:
+        """Lower global equations ``start..end-1``; a loop region becomes one loop equation."""
+        regions, eqns = self.state.index.regions, self.state.program.eqns
+        i = start
+        while i < end:
+            if i in regions:
+                lower_loop(self, regions[i])
+                i = regions[i].end
+                continue
+            self.at = i
+            self.lower_eqn(i, eqns[i])
+            i += 1
+
     def lower_eqn(self, i: int, e: Eqn) -> None:
         st = self.state
         rule = st.rules[i]
@@ -193,10 +210,11 @@ class _Lowerer:
         red = mesh_order(self.mesh, [a for f in rule.reduction for a in F.get(f, ())])
         passthrough: tuple[str, ...] = ()
         if rule.linear:
-            partials = {self.actual[a].partial if isinstance(a, Var) else () for a in e.inputs}
+            partials = {(self.actual[a].partial, self.actual[a].partial_op) if isinstance(a, Var) else ((), "sum")
+                        for a in e.inputs}
             if len(partials) == 1 and all(self.linear_only.get(a, False) for a in e.inputs if isinstance(a, Var)):
-                (pp,) = partials
-                if pp and not (set(pp) & used):
+                ((pp, op),) = partials
+                if pp and op == "sum" and not (set(pp) & used):     # only a pending sum is linear
                     passthrough = pp
         ins: list[Atom] = []
         for k, (a, fs) in enumerate(zip(e.inputs, rule.operands)):
@@ -215,17 +233,12 @@ class _Lowerer:
             lv = self.new_var(s.local_shape(o.shape, self.mesh), o.dtype)
             self.actual[o], self.local[o] = s, lv
             outs.append(lv)
+        if lower_spatial(self, i, e, ins, outs):   # a tiled spatial dim: halo exchange + local eqn
+            return
+        if lower_indexed(self, i, e, ins, outs):   # a lookup into a tiled dim: masked local lookup
+            return
         params = localize_params(e, ins, outs)
         self.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source, e.kernel))
-
-
-def localize_params(e: Eqn, ins, outs) -> dict:
-    """The parameters of ``e`` for its local shapes: the ``localize`` facet of its registry entry
-    rewrites those that spell out global sizes; the others are kept."""
-    entry = get(e.prim)
-    if entry is None or entry.localize is None:
-        return dict(e.params)
-    return entry.localize(e, ins, outs)
 
 
 def lower(state: ShardingState, state_outputs: dict[str, str] | None = None) -> SpmdProgram:

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from partir_emu.compiler.conflicts import Conflict
+from partir_emu.compiler.loop_view import ROW
 from partir_emu.compiler.state import ShardingState, dim_axes, factor_of_axis
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
 from partir_emu.core.ir import Var
@@ -158,6 +159,10 @@ class _Propagation:
                 return
             ((f, src),) = wanted.items()
             have = F.get(f, ())
+            if f in rule.blocked and prim == ROW:
+                yield _Met("loop-dim", f"{src} (from {self._origin(src)}) tiles the iteration dim of a loop's stacked "
+                           f"operand by {axis!r}", src, 0, True)
+                return
             if f in rule.blocked or rule.sizes[f] % (st.mesh.group_size(have) * st.mesh.axis_size(axis)):
                 return   # the factor cannot take the axis: the values keep their own tiling
             F[f] = have + (axis,)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partir_emu.compiler.conflicts import Conflict, warnings
+from partir_emu.compiler.loop_view import LINK_PRIMS, Region, flatten, link_rule
 from partir_emu.core.factors import Dims, FactorRule
 from partir_emu.core.ir import Eqn, Program, Var
 from partir_emu.core.mesh import Mesh
@@ -38,16 +39,17 @@ class ProgramIndex:
     result_slot: Mapping[Var, int]              # value -> its slot index in its producer's slots
     users: Mapping[Var, list[int]]
     producers: Mapping[Var, int]
+    regions: Mapping[int, Region] = field(default_factory=dict)   # loops of the flat program (loop_view)
 
     @classmethod
-    def build(cls, program: Program) -> ProgramIndex:
+    def build(cls, program: Program, regions: Mapping[int, Region] | None = None) -> ProgramIndex:
         shared: dict[tuple, tuple[FactorRule, FactorDims]] = {}
         rules, slots, fdims = [], [], []
         result_slot: dict[Var, int] = {}
         for e in program.eqns:
             key = (e.prim, tuple(a.shape for a in e.inputs), tuple(o.shape for o in e.outputs), repr(e.params))
             if key not in shared:
-                r = rule_for(e)
+                r = link_rule(e) if e.prim in LINK_PRIMS else rule_for(e)
                 shared[key] = (r, factor_dims(r))
             rule, fd = shared[key]
             s = _slots(e, rule)
@@ -56,7 +58,8 @@ class ProgramIndex:
             rules.append(rule)
             slots.append(s)
             fdims.append(fd)
-        return cls(tuple(rules), tuple(slots), tuple(fdims), result_slot, program.users(), program.producers())
+        return cls(tuple(rules), tuple(slots), tuple(fdims), result_slot, program.users(), program.producers(),
+                   dict(regions or {}))
 
 
 def factor_dims(rule: FactorRule) -> FactorDims:
@@ -145,8 +148,11 @@ class ShardingState:
 
     @classmethod
     def initial(cls, program: Program, mesh: Mesh) -> ShardingState:
+        """No tactic applied yet. A program with loops is partitioned in its flat form (each body
+        once, between link equations: :mod:`.loop_view`); ``program`` is then that form."""
+        program, regions = flatten(program)
         vd: dict[Var, tuple[tuple[str, ...], ...]] = {v: ((),) * v.ndim for v in program.vars()}
-        return cls(program, mesh, ProgramIndex.build(program), vd, [{} for _ in program.eqns])
+        return cls(program, mesh, ProgramIndex.build(program, regions), vd, [{} for _ in program.eqns])
 
     def copy(self) -> ShardingState:
         """An independent snapshot (the program index is shared: it never changes)."""
@@ -177,7 +183,7 @@ class ShardingState:
         dims = self.dims_from_factors(e, rule.results[k])
         assert dims is not None
         partial = tuple(a for f in sorted(rule.reduction) for a in self.eqn_factors[e].get(f, ()))
-        return Sharding(tuple(dims), mesh_order(self.mesh, partial))
+        return Sharding(tuple(dims), mesh_order(self.mesh, partial), rule.reduce_op)
 
     def sharding(self, v: Var) -> Sharding:
         return Sharding(tuple(self.value_dims[v]))

@@ -25,7 +25,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from partir_emu.compiler.trace_keys import physical_aval, physical_params, physical_value
-from partir_emu.compiler.trace_loops import empty_as_zeros, select_cond, unroll_scan
+from partir_emu.compiler.trace_loops import empty_as_zeros, select_cond, trace_scan, trace_while
 from partir_emu.compiler.trace_unsupported import UnsupportedReport
 from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
@@ -41,8 +41,8 @@ _CALL_PARAMS = {
 
 # Parameters that carry no meaning for us (layout, sharding hints, jaxprs of
 # reductions whose kind is in the primitive name). Dropped during normalization.
-# Control flow rewritten into straight-line equations (see trace_loops: scan unrolled, cond selected).
-_CONTROL = {"scan": unroll_scan, "cond": select_cond, "empty": empty_as_zeros, "empty2": empty_as_zeros}
+# Control flow (see trace_loops: scan as one loop equation, cond as a select over its branches).
+_CONTROL = {"scan": trace_scan, "while": trace_while, "cond": select_cond, "empty": empty_as_zeros, "empty2": empty_as_zeros}
 
 _DROP = {"sharding", "out_sharding", "precision", "accumulation_type", "update_jaxpr", "update_consts",
          "weak_type", "out_dtype", "algorithm", "transpose_algorithm"}

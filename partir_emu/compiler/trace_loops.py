@@ -1,17 +1,18 @@
-"""``scan`` and ``cond`` for the tracer, for now by rewriting them into straight-line equations.
+"""``scan``, ``cond`` and ``empty`` for the tracer.
 
-- ``scan`` (``lax.scan``, ``fori_loop`` with static bounds, Flax ``nn.scan``) is **unrolled**: the
-  body is inlined ``length`` times (in reverse for ``reverse=True``); iteration ``i`` reads
-  ``xs[i]`` (``slice`` + ``squeeze`` on the leading dim) and the per-iteration ``ys`` are stacked
-  (``broadcast_in_dim`` + ``concatenate``). The program grows with the trip count, which is
-  what a loop op in the SpmdProgram (partitioning the body once) will remove; until then this
-  makes such models trace, partition and verify at all.
+- ``scan`` (``lax.scan``, ``fori_loop`` with static bounds, Flax ``nn.scan``, and the reversed
+  scans of their gradients) becomes one ``loop`` equation (:mod:`partir_emu.core.loops`) whose
+  body is traced once, into a program of its own (its own equations and constants, fresh
+  input Vars for the consts, carry and x rows), so the program does not grow with the trip
+  count and the partitioner sees the body once.
 - ``cond`` computes **every branch** and picks each output with ``select_n`` on the branch index,
   which is exact for the pure functions jax traces (an untaken branch's infinities are
   discarded by the select, in the gradient too) and costs every branch. A branch index known
   at trace time picks its branch alone.
 - ``empty`` (jax's uninitialised buffer, which cond's gradient uses) becomes zeros.
-- ``while`` (a trip count known only at run time) stays unsupported.
+- ``while`` whose trip count is known at trace time (``fori_loop`` with constant bounds that jax
+  kept as a while: ``i < n`` with ``i`` and ``n`` literals and ``i += 1``) is a loop of that count;
+  any other ``while`` (a trip count known only at run time) stays unsupported.
 
 The equations emitted here carry the ``scan``'s own source line and kernel tag.
 """
@@ -20,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from partir_emu.core.ir import Eqn, Literal, Var
+from partir_emu.core.analysis import dead_code_elimination
+from partir_emu.core.ir import Eqn, Literal, Program, Var
+from partir_emu.core.loops import loop_eqn
 
 Atom = Var | Literal
 
@@ -40,45 +41,75 @@ def _emit(b: Any, prim: str, ins: Sequence[Atom], shape: Sequence[int], dtype: s
     return out
 
 
-def _row(b: Any, x: Var, i: int, where: str, kernel: str) -> Var:
-    """``x[i]`` along the leading dim."""
-    start = (i,) + (0,) * (len(x.shape) - 1)
-    limit = (i + 1,) + tuple(x.shape[1:])
-    one = _emit(b, "slice", (x,), (1, *x.shape[1:]), x.dtype,
-                {"start_indices": start, "limit_indices": limit, "strides": None}, where, kernel)
-    return _emit(b, "squeeze", (one,), x.shape[1:], x.dtype, {"dimensions": (0,)}, where, kernel)
+def _body(b: Any, closed: Any, nc: int, nk: int, where: str, stack: str,
+          shape_of: Callable[[Any], tuple[tuple[int, ...], str]]) -> Program:
+    """A loop body traced once from ``closed`` (inputs: ``nc`` consts, ``nk`` carries, x rows), into a
+    program of its own: its own equations and constants, fresh input Vars; it reads nothing outer."""
+    body_ins = [_new(b, *shape_of(iv)) for iv in closed.jaxpr.invars]
+    outer_eqns, outer_consts = b.eqns, b.consts
+    b.eqns, b.consts = [], []
+    try:
+        body_outs = b.inline(closed.jaxpr, closed.consts, body_ins, where, stack)
+        eqns, consts = dead_code_elimination(b.eqns, b.consts, body_outs)
+    finally:
+        b.eqns, b.consts = outer_eqns, outer_consts
+    names_in = [f"const{i}" for i in range(nc)] + [f"carry{i}" for i in range(nk)] + \
+        [f"x{i}" for i in range(len(body_ins) - nc - nk)]
+    names_out = [f"carry{i}" for i in range(nk)] + [f"y{i}" for i in range(len(body_outs) - nk)]
+    return Program(tuple(body_ins), tuple(names_in), tuple(eqns), tuple(body_outs), tuple(names_out),
+                   tuple(consts))
 
 
-def _stack(b: Any, rows: Sequence[Atom], shape: Sequence[int], dtype: str, where: str, kernel: str) -> Atom:
-    """The rows stacked on a new leading dim (``shape`` is the stacked shape)."""
-    if not rows:
-        return b.const(np.zeros(tuple(shape), dtype))
-    row_shape = tuple(shape[1:])
-    lifted = [_emit(b, "broadcast_in_dim", (r,), (1, *row_shape), dtype,
-                    {"shape": (1, *row_shape), "broadcast_dimensions": tuple(range(1, len(row_shape) + 1))},
-                    where, kernel) for r in rows]
-    if len(lifted) == 1:
-        return lifted[0]
-    return _emit(b, "concatenate", lifted, shape, dtype, {"dimension": 0}, where, kernel)
-
-
-def unroll_scan(b: Any, e: Any, ins: Sequence[Atom], where: str, stack: str, kernel: str,
-                shape_of: Callable[[Any], tuple[tuple[int, ...], str]]) -> list[Atom]:
-    """The outputs of scan equation ``e`` (its carries, then its stacked ys), body inlined per step."""
+def trace_scan(b: Any, e: Any, ins: Sequence[Atom], where: str, stack: str, kernel: str,
+               shape_of: Callable[[Any], tuple[tuple[int, ...], str]]) -> list[Atom]:
+    """Scan equation ``e`` as one ``loop`` equation whose body is traced once (see core/loops)."""
     p = e.params
-    body, n = p["jaxpr"], int(p["length"])
-    nc, ncar = int(p["num_consts"]), int(p["num_carry"])
-    consts, carry, xs = list(ins[:nc]), list(ins[nc:nc + ncar]), list(ins[nc + ncar:])
-    ys: dict[int, list[Atom]] = {}
-    for i in (range(n - 1, -1, -1) if p.get("reverse") else range(n)):
-        rows = [_row(b, x, i, where, kernel) if isinstance(x, Var) else x for x in xs]
-        outs = b.inline(body.jaxpr, body.consts, [*consts, *carry, *rows], where, stack)
-        carry, ys[i] = list(outs[:ncar]), list(outs[ncar:])
-    stacked = []
-    for j, ov in enumerate(e.outvars[ncar:]):
-        shape, dtype = shape_of(ov)
-        stacked.append(_stack(b, [ys[i][j] for i in range(n)], shape, dtype, where, kernel))
-    return [*carry, *stacked]
+    nc, nk = int(p["num_consts"]), int(p["num_carry"])
+    body = _body(b, p["jaxpr"], nc, nk, where, stack, shape_of)
+    outs = [_new(b, *shape_of(ov)) for ov in e.outvars]
+    b.eqns.append(loop_eqn(ins[:nc], ins[nc:nc + nk], ins[nc + nk:], outs[:nk], outs[nk:], body, int(p["length"]),
+                           bool(p.get("reverse")), where, kernel))
+    return list(outs)
+
+
+def _counted(e: Any, ins: Sequence[Atom]) -> tuple[int, int] | None:
+    """``(counter position, trip count)`` if while equation ``e`` is a counted loop known at trace
+    time (``fori_loop`` with constant bounds that jax did not turn into a scan): its condition is
+    ``carry[k] < carry[m]``, its body adds 1 to ``carry[k]`` and passes ``carry[m]`` on, and both
+    start as literals. None otherwise."""
+    p = e.params
+    cn, bn = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    if cn or len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt" or cond.outvars[0] is not cond.eqns[0].outvars[0]:
+        return None
+    try:
+        k, m = (cond.invars.index(v) for v in cond.eqns[0].invars)
+    except ValueError:
+        return None
+    carry = ins[cn + bn:]
+    if not (isinstance(carry[k], Literal) and isinstance(carry[m], Literal)):
+        return None
+    bin_, bout = body.invars[bn:], body.outvars
+    step = next((q for q in body.eqns if q.outvars[0] is bout[k]), None)
+    if bout[m] is not bin_[m] or step is None or step.primitive.name != "add" or step.invars[0] is not bin_[k] \
+            or getattr(step.invars[1], "val", None) != 1:
+        return None
+    return k, max(0, int(carry[m].value) - int(carry[k].value))
+
+
+def trace_while(b: Any, e: Any, ins: Sequence[Atom], where: str, stack: str, kernel: str,
+                shape_of: Callable[[Any], tuple[tuple[int, ...], str]]) -> list[Atom]:
+    """A counted ``while`` (see :func:`_counted`) as a loop of its trip count; any other ``while``
+    is reported unsupported (its trip count is known only at run time)."""
+    counted = _counted(e, ins)
+    outs = [_new(b, *shape_of(ov)) for ov in e.outvars]
+    if counted is None:
+        b.unsupported.add("while", list(reversed(b.call_sites)), where)
+        return list(outs)
+    bn, cn = int(e.params["body_nconsts"]), int(e.params["cond_nconsts"])
+    body = _body(b, e.params["body_jaxpr"], bn, len(outs), where, stack, shape_of)
+    b.eqns.append(loop_eqn(ins[cn:cn + bn], ins[cn + bn:], (), outs, (), body, counted[1], False, where, kernel))
+    return list(outs)
 
 
 def select_cond(b: Any, e: Any, ins: Sequence[Atom], where: str, stack: str, kernel: str,
@@ -114,4 +145,4 @@ def empty_as_zeros(b: Any, e: Any, ins: Sequence[Atom], where: str, stack: str, 
                   where, kernel)]
 
 
-__all__ = ["empty_as_zeros", "select_cond", "unroll_scan"]
+__all__ = ["empty_as_zeros", "select_cond", "trace_scan", "trace_while"]

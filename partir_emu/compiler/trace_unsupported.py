@@ -20,7 +20,7 @@ from partir_emu.errors import UnsupportedPrimitiveError
 
 # Libraries whose frames are never the user's (when they are imported at all).
 LIBRARIES = ("flax", "optax", "equinox", "jaxtyping", "chex", "haiku")
-_LOOPS = {"while"}    # scan is unrolled and cond selected by the tracer (compiler.trace_loops)
+_LOOPS = {"while"}    # scan is a loop equation and cond a select (compiler.trace_loops)
 _FRAMES_SHOWN = 3
 
 
@@ -54,8 +54,8 @@ def advice(name: str) -> str:
     base = name.split(" ", 1)[0]
     if base in _LOOPS:
         return ("a `while` loop whose trip count is known only at run time is not supported yet: give "
-                "`fori_loop` static bounds (it becomes a scan, which is supported), or unroll the loop in "
-                "Python (a `for` loop over the iterations)")
+                "`fori_loop` bounds known when the function is traced (constants: it becomes a loop, which "
+                "is supported; `lax.scan` too), or unroll the loop in Python (a `for` loop over the iterations)")
     if "PRNG key implementation" in name:
         return "use jax's default PRNG implementation, threefry2x32 (no `impl=` argument to jax.random.key)"
     if "on a PRNG key array" in name:

@@ -12,6 +12,14 @@
   4. While equation ``i`` runs its inputs and outputs are all live; right after it,
      each input whose last use is ``i`` is released, and each output that no later
      equation reads; program outputs are never released.
+  5. A ``loop`` equation (:mod:`partir_emu.core.loops`) is an equation as in rule 4 (its operands
+     and all its results, the stacked ``ys`` whole, live while it runs); on top of that sample
+     comes the peak of its body by these same rules, the body's inputs (the iteration's consts,
+     carry and x rows) being live at the body's start point as its own buffers. One iteration's
+     body values are all released before the next starts, so the loop's peak is that one sum.
+     Precisely: the body's peak includes its start point; a body input counts its Var's size
+     even where the loop passes a literal (a literal carry or const); a loop of ``length`` 0
+     runs no body, so its sample is rule 4's alone.
 
 - :func:`dependencies`: the producer equations of each equation's operands (the
   analytical overlap schedule and the DES op streams wait on them).

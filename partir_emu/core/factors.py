@@ -3,8 +3,11 @@
 Every dim of every operand and result maps to a tuple of *factors*
 (major→minor; a reshape gives compound dims). A factor that appears in operands
 but in no result is a *reduction* factor: tiling it makes the result a pending
-sum (partial) over the tiling axes. A *blocked* factor must stay untiled (the
-sliced dim of a slice, the reduced dim of a max, an iota...).
+sum (partial) over the tiling axes (a pending max or min for ``reduce_op`` max/min). A *blocked* factor must stay untiled (the
+sliced dim of a slice, the reduced dim of a max, an iota...). A *halo* factor may
+be tiled, but then each device also reads border elements of its neighbours' blocks
+(the spatial dim of a convolution or pooling window): the lowering exchanges them
+(:mod:`partir_emu.compiler.halo`).
 
 A primitive's rule is the ``rule`` facet of its registry entry
 (:mod:`partir_emu.core.registry`); the entries live in :mod:`partir_emu.primitives`.
@@ -26,6 +29,11 @@ class FactorRule:
     partial_operands: tuple[int, ...] = ()
     # pending sums pass through (linear in every operand, all partial alike)
     linear: bool = False
+    # factors whose tiling needs a halo exchange (windows straddle the block borders)
+    halo: frozenset[int] = frozenset()
+    # how the partial results of a tiled reduction factor combine: "sum", or "max"/"min" (a
+    # reduce_max over a tiled dim: each device's max, then an all_reduce(max))
+    reduce_op: str = "sum"
     reduction: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:

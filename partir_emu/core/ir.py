@@ -166,6 +166,9 @@ class Program:
             lines.append(f"  {v}:{v.type_str()} = const")
         for e in self.eqns:
             lines.append("  " + str(e))
+            body = e.params.get("body")
+            if isinstance(body, Program):   # a loop: its body, indented
+                lines.extend("    " + ln for ln in body.pretty().splitlines())
         outs = ", ".join(f"{o} ({n})" for o, n in zip(self.outputs, self.output_names))
         lines.append(f"  return {outs}")
         lines.append("}")
@@ -199,6 +202,8 @@ def _short(dtype: str) -> str:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, Program):      # a loop body: printed after its equation by Program.pretty
+        return f"<body: {len(v.eqns)} eqns>"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}={_fmt(x)}" for k, x in v.items()) + "}"
     if isinstance(v, tuple):

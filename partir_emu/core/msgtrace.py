@@ -16,7 +16,9 @@ then one line per transfer, sorted by ``(coll, step, src, dst)``::
 
     {"coll": 12, "step": 0, "src": 3, "dst": 4, "bytes": 256}
 
-``coll`` is the equation index of the collective in the SPMD program, ``step``
+``coll`` is the equation index of the collective in the SPMD program (in the program as
+:func:`partir_emu.core.loops.unroll` expands it if it has loops: each iteration's run of a body
+collective is its own ``coll``, in execution order; without loops, its own index), ``step``
 the schedule step (transfers of one ``(coll, step)`` run concurrently),
 ``src``/``dst`` global device ids, ``bytes`` the payload. Transfers between
 devices of one rank (memory copies) are included; a hardware model tells them
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from partir_emu.core.ir import itemsize
+from partir_emu.core.loops import unroll
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, collective_bytes, permute_pairs
 from partir_emu.errors import ArtifactError, PartirError
@@ -61,7 +64,7 @@ def trace_header(spmd: SpmdProgram, *, ranks: int, devices_per_rank: int, algori
     """The header of a trace of ``spmd`` run on ``ranks`` × ``devices_per_rank`` devices."""
     colls = {str(i): {"prim": e.prim, "axes": list(e.params["axes"]), "bytes": collective_bytes(e),
                       "itemsize": itemsize(e.inputs[0].dtype), **_pairs(e, spmd.mesh)}
-             for i, e in enumerate(spmd.program.eqns) if e.prim in COMM_PRIMS}
+             for i, e in enumerate(unroll(spmd.program).eqns) if e.prim in COMM_PRIMS}
     return {"format": FORMAT, "version": VERSION, "mesh": spmd.mesh.to_json(), "devices": spmd.mesh.size,
             "ranks": ranks, "devices_per_rank": devices_per_rank, "devices_per_node": devices_per_node,
             "algorithm": algorithm, "collectives": colls}

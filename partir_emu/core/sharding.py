@@ -1,8 +1,9 @@
 """How one value is laid out over the mesh.
 
 For each tensor dim, the ordered tuple of mesh axes that tile it (major→minor),
-plus the tuple of *partial* axes: the value is a pending sum over them. Axes not
-mentioned are replicated. Example: ``{0:(batch,), 1:(model,)} partial=()``.
+plus the tuple of *partial* axes: the value is a pending sum over them (``partial_op``
+"sum"; "max"/"min": a pending max or min, what a ``reduce_max`` over a tiled dim leaves).
+Axes not mentioned are replicated. Example: ``{0:(batch,), 1:(model,)} partial=()``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from partir_emu.errors import ShardingError
 class Sharding:
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
+    partial_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if not self.partial and self.partial_op != "sum":     # one spelling of "not partial"
+            object.__setattr__(self, "partial_op", "sum")
 
     @classmethod
     def replicated(cls, ndim: int) -> Sharding:
@@ -40,10 +46,10 @@ class Sharding:
         return not any(self.dims) and not self.partial
 
     def with_dim(self, dim: int, axes: tuple[str, ...]) -> Sharding:
-        return Sharding(self.dims[:dim] + (axes,) + self.dims[dim + 1:], self.partial)
+        return Sharding(self.dims[:dim] + (axes,) + self.dims[dim + 1:], self.partial, self.partial_op)
 
-    def with_partial(self, partial: Sequence[str]) -> Sharding:
-        return Sharding(self.dims, tuple(partial))
+    def with_partial(self, partial: Sequence[str], op: str | None = None) -> Sharding:
+        return Sharding(self.dims, tuple(partial), self.partial_op if op is None else op)
 
     def validate(self, shape: Sequence[int], mesh: Mesh, what: str = "value") -> None:
         if len(shape) != len(self.dims):
@@ -65,11 +71,15 @@ class Sharding:
 
     def __str__(self) -> str:
         dims = ", ".join(f"{i}:({','.join(d)}{',' if len(d) == 1 else ''})" for i, d in enumerate(self.dims) if d)
-        return "{" + dims + "}" + (f" partial=({','.join(self.partial)})" if self.partial else "")
+        op = "" if self.partial_op == "sum" else f" {self.partial_op}"
+        return "{" + dims + "}" + (f" partial{op}=({','.join(self.partial)})" if self.partial else "")
 
     def to_json(self) -> dict:
-        return {"dims": [list(d) for d in self.dims], "partial": list(self.partial)}
+        out = {"dims": [list(d) for d in self.dims], "partial": list(self.partial)}
+        if self.partial_op != "sum":
+            out["partial_op"] = self.partial_op
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> Sharding:
-        return cls(tuple(tuple(d) for d in data["dims"]), tuple(data.get("partial", ())))
+        return cls(tuple(tuple(d) for d in data["dims"]), tuple(data.get("partial", ())), data.get("partial_op", "sum"))

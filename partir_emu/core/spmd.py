@@ -25,6 +25,16 @@ not depend on the group size) and every consumer reads :func:`permute_pairs`, wh
 Over several axes the positions are the group index (major→minor), so a shift moves along the
 flattened group; a halo exchange along one mesh axis names that axis alone.
 
+**Loops** (:mod:`partir_emu.core.loops`): a ``loop`` equation's body is a local program too and
+may hold collectives, which every device runs once per iteration. :meth:`SpmdProgram.collectives`
+and :meth:`SpmdProgram.stats` count what one run *executes* (a body collective counts ``length``
+times, so the counts equal those of ``loops.unroll`` of the program);
+:meth:`SpmdProgram.static_collectives` lists each collective of the text once, with its count.
+
+**File format** (version 2): JSON; an equation is ``{"prim", "in", "out", "params", "source"}``, a
+loop's ``params["body"]`` a nested ``{"inputs", "input_names", "consts", "eqns", "outputs",
+"output_names"}`` in the same Var-id space. Version 1 files (no loops) are still read.
+
 This module does not import jax: the MPI ranks and the hardware models load
 SpmdPrograms from files written here.
 """
@@ -34,20 +44,22 @@ import base64
 import json
 import os
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from partir_emu.core.dtypes import np_dtype
-from partir_emu.core.ir import Eqn, Literal, Program, Var, nbytes
+from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var, nbytes
+from partir_emu.core.loops import LOOP, iteration_order, walk
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.errors import ArtifactError, CollectiveError
 
 FORMAT = "partir-spmd"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)     # version 1: the same format before loops
 
 COMM_PRIMS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute")
 LOCAL_COLLECTIVE_PRIMS = ("all_slice", "to_partial")
@@ -164,21 +176,31 @@ class SpmdProgram:
         return self.program.output_names
 
     def collectives(self) -> list[Eqn]:
-        return [e for e in self.program.eqns if e.prim in COMM_PRIMS]
+        """The communicating collectives one run executes, in order: a collective in a loop body
+        appears once per iteration (the collectives of ``loops.unroll`` of the program)."""
+        return list(_executed(self.program))
+
+    def static_collectives(self) -> list[tuple[Eqn, int]]:
+        """Each communicating collective of the program text (bodies included) once, with how many
+        times one run executes it."""
+        return [(e, n) for e, n in walk(self.program) if e.prim in COMM_PRIMS]
 
     def stats(self) -> CollectiveStats:
+        """Counts and bytes of what one run executes (see :meth:`collectives`)."""
         count: Counter = Counter()
         byts: Counter = Counter()
         by_axes: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
         wire = 0.0
-        for e in self.collectives():
+        for e, times in self.static_collectives():
+            if not times:           # in a loop that never runs
+                continue
             n = collective_bytes(e)
-            count[e.prim] += 1
-            byts[e.prim] += n
+            count[e.prim] += times
+            byts[e.prim] += n * times
             key = ",".join(e.params["axes"])
-            by_axes[key]["count"] += 1
-            by_axes[key]["bytes"] += n
-            wire += collective_wire_bytes(e, self.mesh.group_size(e.params["axes"]))
+            by_axes[key]["count"] += times
+            by_axes[key]["bytes"] += n * times
+            wire += times * collective_wire_bytes(e, self.mesh.group_size(e.params["axes"]))
         return CollectiveStats(dict(count), dict(byts), dict(by_axes), wire)
 
     def pretty(self) -> str:
@@ -194,24 +216,14 @@ class SpmdProgram:
     # -- file format ----------------------------------------------------------------
     def to_json(self) -> dict:
         p = self.program
-
-        def atom(a):
-            return a.id if isinstance(a, Var) else {"lit": a.value, "dtype": a.dtype}
-
-        def var(v):
-            return [v.id, list(v.shape), v.dtype]
-
         return {
             "format": FORMAT, "version": VERSION,
             "mesh": self.mesh.to_json(),
-            "inputs": [{"var": var(v), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
+            "inputs": [{"var": _var_json(v), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
                        for v, n, s, g in zip(p.inputs, p.input_names, self.in_shardings, self.global_in_shapes)],
-            "consts": [{"var": var(v), "data": base64.b64encode(np.ascontiguousarray(c).tobytes()).decode()}
-                       for v, c in p.consts],
-            "eqns": [{"prim": e.prim, "in": [atom(a) for a in e.inputs], "out": [var(o) for o in e.outputs],
-                      "params": _jsonable(dict(e.params)), "source": e.source,
-                       **({"kernel": e.kernel} if e.kernel else {})} for e in p.eqns],
-            "outputs": [{"atom": atom(a), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
+            "consts": _consts_json(p),
+            "eqns": _eqns_json(p),
+            "outputs": [{"atom": _atom_json(a), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
                         for a, n, s, g in zip(p.outputs, p.output_names, self.out_shardings, self.global_out_shapes)],
             "meta": self.meta,
         }
@@ -220,41 +232,24 @@ class SpmdProgram:
     def from_json(cls, d: dict, where: str = "<json>") -> SpmdProgram:
         if d.get("format") != FORMAT:
             raise ArtifactError(f"{where}: not a partir SPMD program (format {d.get('format')!r}, expected {FORMAT!r})")
-        if d.get("version") != VERSION:
-            raise ArtifactError(f"{where}: format version {d.get('version')!r}; this partir_emu reads version {VERSION}. "
-                                "Re-lower the program with this version.")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise ArtifactError(f"{where}: format version {d.get('version')!r}; this partir_emu reads version "
+                                f"{' or '.join(map(str, READABLE_VERSIONS))}. Re-lower the program with this version.")
         try:
-            vars_: dict[int, Var] = {}
-
-            def mk(t):
-                v = Var(int(t[0]), tuple(int(x) for x in t[1]), str(t[2]))
-                vars_[v.id] = v
-                return v
-
-            def atom(a):
-                return Literal(a["lit"], a["dtype"]) if isinstance(a, dict) else vars_[a]
-
-            inputs = tuple(mk(i["var"]) for i in d["inputs"])
-            consts = []
-            for c in d["consts"]:
-                v = mk(c["var"])
-                arr = np.frombuffer(base64.b64decode(c["data"]), dtype=np_dtype(v.dtype)).reshape(v.shape).copy()
-                consts.append((v, arr))
-            eqns = []
-            for e in d["eqns"]:
-                ins = tuple(atom(a) for a in e["in"])
-                outs = tuple(mk(o) for o in e["out"])
-                eqns.append(Eqn(e["prim"], ins, outs, _untuple(e["params"]), e.get("source", ""), e.get("kernel", "")))
-            prog = Program(inputs, tuple(i["name"] for i in d["inputs"]), tuple(eqns),
-                           tuple(atom(o["atom"]) for o in d["outputs"]), tuple(o["name"] for o in d["outputs"]),
-                           tuple(consts))
+            r = _Reader()
+            inputs = tuple(r.var(i["var"]) for i in d["inputs"])
+            consts = r.consts(d["consts"])
+            eqns = r.eqns(d["eqns"])
+            prog = Program(inputs, tuple(i["name"] for i in d["inputs"]), eqns,
+                           tuple(r.atom(o["atom"]) for o in d["outputs"]), tuple(o["name"] for o in d["outputs"]),
+                           consts)
             return cls(Mesh.from_json(d["mesh"]), prog,
                        tuple(Sharding.from_json(i["sharding"]) for i in d["inputs"]),
                        tuple(Sharding.from_json(o["sharding"]) for o in d["outputs"]),
                        tuple(tuple(i["global_shape"]) for i in d["inputs"]),
                        tuple(tuple(o["global_shape"]) for o in d["outputs"]),
                        dict(d.get("meta", {})))
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AssertionError) as exc:
             raise ArtifactError(f"{where}: malformed SPMD program ({type(exc).__name__}: {exc})") from None
 
     def dumps(self) -> str:
@@ -279,6 +274,91 @@ class SpmdProgram:
                 return cls.loads(f.read(), str(path))
         except OSError as exc:
             raise ArtifactError(f"cannot read SPMD program file {path}: {exc.strerror}") from None
+
+
+def _executed(program: Program) -> Iterator[Eqn]:
+    """The communicating collectives of one run of ``program``, in execution order."""
+    for e in program.eqns:
+        if e.prim in COMM_PRIMS:
+            yield e
+        elif e.prim == LOOP:
+            body = list(_executed(e.params["body"]))
+            for _ in iteration_order(e):
+                yield from body
+
+
+# -- file format helpers: one Var-id space across a program and its loop bodies --------------
+def _var_json(v: Var) -> list:
+    return [v.id, list(v.shape), v.dtype]
+
+
+def _atom_json(a: Atom) -> Any:
+    return a.id if isinstance(a, Var) else {"lit": a.value, "dtype": a.dtype}
+
+
+def _consts_json(p: Program) -> list:
+    return [{"var": _var_json(v), "data": base64.b64encode(np.ascontiguousarray(c).tobytes()).decode()}
+            for v, c in p.consts]
+
+
+def _eqns_json(p: Program) -> list:
+    return [{"prim": e.prim, "in": [_atom_json(a) for a in e.inputs], "out": [_var_json(o) for o in e.outputs],
+             "params": _params_json(e), "source": e.source, **({"kernel": e.kernel} if e.kernel else {})}
+            for e in p.eqns]
+
+
+def _params_json(e: Eqn) -> dict:
+    params = dict(e.params)
+    body = params.pop("body", None) if e.prim == LOOP else None
+    out = _jsonable(params)
+    if isinstance(body, Program):
+        out["body"] = {"inputs": [_var_json(v) for v in body.inputs], "input_names": list(body.input_names),
+                       "consts": _consts_json(body), "eqns": _eqns_json(body),
+                       "outputs": [_atom_json(a) for a in body.outputs], "output_names": list(body.output_names)}
+    return out
+
+
+class _Reader:
+    """Rebuilds Vars, constants and equations (loop bodies nested) from the file format."""
+
+    def __init__(self) -> None:
+        self.vars: dict[int, Var] = {}
+
+    def var(self, t: list) -> Var:
+        v = Var(int(t[0]), tuple(int(x) for x in t[1]), str(t[2]))
+        self.vars[v.id] = v
+        return v
+
+    def atom(self, a: Any) -> Atom:
+        return Literal(a["lit"], a["dtype"]) if isinstance(a, dict) else self.vars[a]
+
+    def consts(self, cs: list) -> tuple[tuple[Var, np.ndarray], ...]:
+        out = []
+        for c in cs:
+            v = self.var(c["var"])
+            arr = np.frombuffer(base64.b64decode(c["data"]), dtype=np_dtype(v.dtype)).reshape(v.shape).copy()
+            out.append((v, arr))
+        return tuple(out)
+
+    def eqns(self, es: list) -> tuple[Eqn, ...]:
+        out = []
+        for e in es:
+            ins = tuple(self.atom(a) for a in e["in"])
+            params = dict(e["params"])
+            body = params.pop("body", None) if e["prim"] == LOOP else None
+            params = _untuple(params)
+            if body is not None:
+                params["body"] = self.body(body)
+            outs = tuple(self.var(o) for o in e["out"])
+            out.append(Eqn(e["prim"], ins, outs, params, e.get("source", ""), e.get("kernel", "")))
+        return tuple(out)
+
+    def body(self, b: dict) -> Program:
+        inputs = tuple(self.var(v) for v in b["inputs"])
+        consts = self.consts(b["consts"])
+        eqns = self.eqns(b["eqns"])
+        return Program(inputs, tuple(b["input_names"]), eqns, tuple(self.atom(a) for a in b["outputs"]),
+                       tuple(b["output_names"]), consts)
 
 
 def _jsonable(x: Any) -> Any:

@@ -20,7 +20,8 @@ Grouping (:func:`fuse`, one pass in program order, hardware independent; the spe
 - **hand-fused kernels**: equations tagged with the same ``Eqn.kernel`` form one group per
   connected region whatever their kinds (dots included): one kernel;
 - everything else (communicating collectives, sort, cumulative ops, in-place updates) is its own
-  group priced by its unfused cost rule, and breaks the groups it reads;
+  group priced by its unfused cost rule, and breaks the groups it reads; so is a ``loop`` equation
+  (no cost of its own here: its body's groups are formed within the body, :mod:`.pricing`);
 - a group whose value has been read by an equation outside it is closed (nothing joins it later):
   this keeps every group a single step of the schedule (no group both before and after another op).
 
@@ -200,7 +201,8 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
         if transparent[i]:
             continue
         reads[i] = rd = _expanded_reads(e, eqns, prod, transparent, memo)
-        tag = e.kernel if op_kind.get(e.prim) != "collective" else ""    # communication breaks a kernel
+        # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
+        tag = e.kernel if op_kind.get(e.prim) != "collective" and e.prim != "loop" else ""
         g = gs.new(tag)
         cand = {gs.find(gid[p]) for v, _ in rd if (p := prod.get(v.id)) is not None}
         c = cls[i]

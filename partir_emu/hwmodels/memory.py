@@ -19,16 +19,26 @@ With overlap (:mod:`.overlap`) the chip's schedule moves the prefetched ZeRO-3 a
 :func:`prefetch_peak` adds each prefetched gather's output from the equation that was running when
 the gather started to its place in the program (from there program order counts it already), and
 its breakdown adds ``prefetch_buffers``. Every other buffer keeps its program-order lifetime.
+
+**Loops** (rule 5 of :mod:`partir_emu.core.analysis`): a ``loop`` equation's point is sampled as any
+equation's (its operands and all its results live), plus the peak of its body's own profile (the body's
+inputs live at its start point as their own buffers; one iteration's values are gone before the next
+starts, so every iteration has the same peak). ``MemoryProfile.bodies`` keeps the body profiles added;
+at a loop point the breakdown is the enclosing program's plus the body's. With overlap the body's
+profile is the one of its own schedule (its prefetch buffers included): :func:`peak_memory` takes the
+body profiles to add.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
 from partir_emu.core.analysis import liveness
 from partir_emu.core.ir import Program, Var
+from partir_emu.core.loops import LOOP
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.hwmodels.costs import nbytes_of
 
@@ -45,6 +55,8 @@ class MemoryProfile:
     live_bytes: tuple[int, ...] = field(repr=False)   # at start, then at each equation (program order;
                                                       # empty for a schedule's profile, prefetch_peak)
     input_bytes: int = 0              # inputs + constants
+    bodies: Mapping[int, MemoryProfile] = field(default_factory=dict, repr=False)
+    # per loop equation that runs its body (length > 0): the body profile added at its point
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at, "breakdown": dict(self.breakdown),
@@ -60,9 +72,14 @@ def _category(name: str) -> str:
     return "inputs"
 
 
-def peak_memory(program: Program | SpmdProgram) -> MemoryProfile:
-    """Liveness-based peak bytes per device (see the module docstring for the exact convention)."""
+def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfile] | None = None
+                ) -> MemoryProfile:
+    """Liveness-based peak bytes per device (see the module docstring for the exact convention).
+    ``bodies``: per loop equation, the body profile to add at its point (default: each body's
+    :func:`peak_memory`, computed here; a loop of length 0 adds nothing)."""
     prog = program.program if isinstance(program, SpmdProgram) else program
+    if bodies is None:
+        bodies = loop_bodies(prog)
     lv = liveness(prog)
     size = _sizes(prog, lv.initial)
     live = input_bytes = sum(size[v.id] for v in lv.initial)
@@ -72,12 +89,32 @@ def peak_memory(program: Program | SpmdProgram) -> MemoryProfile:
     for i, (e, gone) in enumerate(zip(prog.eqns, lv.after)):
         for o in e.outputs:
             live += size[o.id]
-        points.append(live)
-        if live > peak:
-            peak, peak_at = live, i
+        body = bodies.get(i) if bodies else None
+        sample = live + body.peak_bytes if body is not None else live
+        points.append(sample)
+        if sample > peak:
+            peak, peak_at = sample, i
         for v in gone:
             live -= size[v.id]
-    return MemoryProfile(peak, peak_at, _breakdown(prog, peak_at, lv.last_use, size), tuple(points), input_bytes)
+    bd = _breakdown(prog, peak_at, lv.last_use, size)
+    return MemoryProfile(peak, peak_at, _with_body(bd, bodies.get(peak_at)), tuple(points), input_bytes,
+                         MappingProxyType(dict(bodies)))
+
+
+def loop_bodies(prog: Program) -> dict[int, MemoryProfile]:
+    """The program-order profile of each loop body of ``prog`` that runs (by loop equation index)."""
+    return {i: peak_memory(e.params["body"]) for i, e in enumerate(prog.eqns)
+            if e.prim == LOOP and int(e.params["length"]) > 0}
+
+
+def _with_body(bd: dict[str, int], body: MemoryProfile | None) -> dict[str, int]:
+    """A loop point's breakdown: the enclosing program's plus its body's at the body's peak."""
+    if body is None:
+        return bd
+    out = dict(bd)
+    for k, v in body.breakdown.items():
+        out[k] = out.get(k, 0) + v
+    return out
 
 
 def _sizes(prog: Program, initial: tuple[Var, ...]) -> dict[int, int]:
@@ -88,10 +125,12 @@ def _sizes(prog: Program, initial: tuple[Var, ...]) -> dict[int, int]:
     return size
 
 
-def breakdown_at(program: Program, at: int) -> dict[str, int]:
-    """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start)."""
+def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] | None = None) -> dict[str, int]:
+    """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start); at a
+    loop point plus ``bodies[at]``'s (the body profile added there)."""
     lv = liveness(program)
-    return _breakdown(program, at, lv.last_use, _sizes(program, lv.initial))
+    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial))
+    return _with_body(bd, bodies.get(at) if bodies else None)
 
 
 def prefetch_peak(live: np.ndarray, first: np.ndarray, last: np.ndarray, nbytes: np.ndarray

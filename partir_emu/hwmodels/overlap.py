@@ -29,6 +29,15 @@ the others are 0. A collective's operand is ready one past its producer: exact w
 is its group's last equation, which fusion ensures for any value a collective reads (that read
 closes the group; on the t48 transformer no collective reads an earlier member).
 
+**Loops** (:mod:`partir_emu.core.loops`). A ``loop`` equation is a *barrier* of its program's
+schedule: it runs on the compute stream for its whole time (``length`` × the step of its body, whose
+own schedule this same module makes), every collective before it in the program is waited for before
+it starts, and none after it is ready before it ends. Iterations are sequential: everything of
+iteration ``i``, its asynchronous collectives included, completes before iteration ``i + 1`` starts
+(an XLA while loop without collective pipelining: no gather of iteration ``i + 1`` is prefetched
+during iteration ``i``); inside the body, gathers of the body's inputs (a layer's weight row) are
+prefetched from the iteration's start within the budget, as any parameter gather.
+
 ``prefetch_bytes=None`` takes one *FSDP unit*: the largest total gathered bytes of the
 parameters under one top-level name prefix (``params/layer_3``: one layer's weights; each
 parameter counted once). That prefetches about one layer ahead, as PyTorch FSDP (one unit
@@ -37,12 +46,14 @@ in flight) and XLA's scheduler in a scanned layer loop do.
 :class:`OverlapPlan` is what does not depend on the times (computed once per program; the
 Analyzer keeps it); :func:`schedule` is the per-evaluation list schedule, a loop over collectives
 and wait points only. Its ``order`` (issue order) and ``ready_pos`` are what the DES replays
-(:func:`partir_emu.hwmodels.des.device.compile_stream`), so where nothing contends both agree.
+(:func:`partir_emu.hwmodels.des.stream.compile_stream`), so where nothing contends both agree.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -86,7 +97,7 @@ class OverlapPlan:
 
     num_eqns: int
     comm_eqns: np.ndarray                       # equation index of collective c
-    base_ready: tuple[int, ...]                 # compute position c's operand needs (prefetchable: 0)
+    base_ready: tuple[int, ...]                 # compute position c's operand needs (prefetchable: its floor)
     wait_pos: tuple[int, ...]                   # equation where the compute stream waits for c (num_eqns: end)
     priority: tuple[int, ...]                   # program position of c's first (transitive) need
     coll_prods: tuple[tuple[int, ...], ...]     # collectives producing c's operand
@@ -95,9 +106,10 @@ class OverlapPlan:
     prefetch_bytes_out: np.ndarray              # their gathered (output) bytes
     prefetch_names: tuple[str, ...]             # the program input each gathers
     default_prefetch_bytes: int                 # one FSDP unit (module docstring)
+    floor: tuple[int, ...] = ()                 # per collective: one past the last loop before it (0: none)
     _ready: dict[int, _Walk] = field(default_factory=dict, repr=False)         # by budget
     _waits: tuple[tuple[int, int], ...] = field(default=(), repr=False)
-    _live: np.ndarray | None = field(default=None, repr=False)           # program-order live bytes
+    _live: tuple | None = field(default=None, repr=False)    # (profile, its live bytes as an array)
     _breakdowns: dict[int, dict[str, int]] = field(default_factory=dict, repr=False)
     _keys: list[int] = field(default_factory=list, repr=False)             # priority * C + c
     _compute: np.ndarray | None = field(default=None, repr=False)       # per equation: 1.0 compute, 0.0 collective
@@ -122,6 +134,8 @@ class OverlapPlan:
             for k, g in enumerate(self.prefetch):
                 j = int(m[k]) - 1
                 ready[g] = self.priority[self.prefetch[j]] if j >= 0 else 0
+                if self.floor and ready[g] < self.floor[g]:
+                    ready[g] = self.floor[g]
         # the compute stream's events in order: collective c is ready (c >= 0) where it reaches
         # ready[c], before the waits at that position (~c: wait for c)
         evs = sorted([(r, 0, c) for c, r in enumerate(ready)] + [(w, 1, ~c) for w, c in self._waits])
@@ -141,29 +155,33 @@ class OverlapPlan:
 
 def overlap_memory(plan: OverlapPlan, program: Program, profile: MemoryProfile, sched: Schedule
                    ) -> MemoryProfile:
-    """The peak memory of ``sched`` (``profile``: the program-order one): the prefetch buffers count
-    from the equation running when their gather started (:func:`.memory.prefetch_peak`)."""
-    if plan._live is None:
-        plan._live = np.array(profile.live_bytes, dtype=np.float64)
+    """The peak memory of ``sched`` (``profile``: the program-order one, loop points holding the body
+    profiles of their own schedules): the prefetch buffers count from the equation running when their
+    gather started (:func:`.memory.prefetch_peak`)."""
     pf = np.array(plan.prefetch, dtype=np.int64)
     if not len(pf):
         return profile
+    if plan._live is None or plan._live[0] is not profile:
+        plan._live = (profile, np.array(profile.live_bytes, dtype=np.float64))
+        plan._breakdowns.clear()
     starts = np.array(sched.start)[pf]
     issued = np.searchsorted(sched.compute_finish, starts, side="right")
-    peak, at, extra = prefetch_peak(plan._live, issued, plan.comm_eqns[pf], plan.prefetch_bytes_out)
+    peak, at, extra = prefetch_peak(plan._live[1], issued, plan.comm_eqns[pf], plan.prefetch_bytes_out)
     if not extra:
         return profile
     bd = plan._breakdowns.get(at)
     if bd is None:
         if len(plan._breakdowns) > 16:
             plan._breakdowns.clear()
-        bd = plan._breakdowns[at] = breakdown_at(program, at)
-    return MemoryProfile(peak, at, {**bd, "prefetch_buffers": extra}, (), profile.input_bytes)
+        bd = plan._breakdowns[at] = breakdown_at(program, at, profile.bodies)
+    out = {**bd, "prefetch_buffers": bd.get("prefetch_buffers", 0) + extra}
+    return MemoryProfile(peak, at, out, (), profile.input_bytes)
 
 
-def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...] | None = None
-               ) -> OverlapPlan:
-    """The :class:`OverlapPlan` of ``program`` (``is_comm``: per equation, a communicating collective)."""
+def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...] | None = None,
+               barriers: Sequence[int] = ()) -> OverlapPlan:
+    """The :class:`OverlapPlan` of ``program`` (``is_comm``: per equation, a communicating collective;
+    ``barriers``: the loop equations, see the module docstring)."""
     eqns = program.eqns
     n = len(eqns)
     deps = dependencies(program) if deps is None else deps
@@ -213,6 +231,7 @@ def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...
             cj = cpos[j] if j in cpos else alias[j]
             if cj >= 0 and wait[cj] == n:
                 wait[cj] = i
+    floor = _barriers(comm_eqns, barriers, wait, ready)
     priority = list(wait)
     users: list[list[int]] = [[] for _ in range(C)]
     for c in range(C - 1, -1, -1):
@@ -224,11 +243,31 @@ def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...
     out_bytes = np.array([eqns[int(comm_eqns[g])].outputs[0].nbytes for g in pf], dtype=np.float64)
     plan = OverlapPlan(n, comm_eqns, tuple(ready), tuple(wait), tuple(priority),
                        tuple(tuple(sorted(p)) for p in prods), tuple(tuple(u) for u in users), tuple(pf),
-                       out_bytes, tuple(prefetchable[g] for g in pf), _fsdp_unit_bytes(pf, prefetchable, out_bytes))
+                       out_bytes, tuple(prefetchable[g] for g in pf), _fsdp_unit_bytes(pf, prefetchable, out_bytes),
+                       floor)
     plan._waits = tuple(sorted((w, c) for c, w in enumerate(wait) if w < n))
     plan._keys = [priority[c] * C + c for c in range(C)]
     plan._compute = (~np.asarray(is_comm, dtype=bool)).astype(np.float64)
     return plan
+
+
+def _barriers(comm_eqns: np.ndarray, barriers: Sequence[int], wait: list[int], ready: list[int]) -> tuple[int, ...]:
+    """Make each loop equation a barrier (module docstring): a collective before it is waited for at
+    it at the latest; one after it is ready one past it at the earliest (its floor, returned; () when
+    there is no loop). ``wait`` and ``ready`` are updated in place."""
+    if not len(barriers):
+        return ()
+    bars = sorted(int(b) for b in barriers)
+    floor = []
+    for c, e in enumerate(comm_eqns.tolist()):
+        k = bisect.bisect_right(bars, e)
+        if k < len(bars) and wait[c] > bars[k]:
+            wait[c] = bars[k]
+        f = bars[k - 1] + 1 if k else 0
+        if ready[c] < f:
+            ready[c] = f
+        floor.append(f)
+    return tuple(floor)
 
 
 def _fsdp_unit_bytes(pf: list[int], names: dict[int, str], out_bytes: np.ndarray) -> int:

@@ -31,7 +31,16 @@ from partir_emu.primitives import (  # noqa: F401  (register)
     window,
 )
 
-__all__ = ["KINDS", "Primitive", "get", "lookup", "names", "registered", "rule_for"]
+__all__ = ["KINDS", "Primitive", "get", "localize_params", "lookup", "names", "registered", "rule_for"]
+
+
+def localize_params(e: Eqn, ins, outs) -> dict:
+    """The parameters of ``e`` for its local operands ``ins`` and results ``outs``: the ``localize``
+    facet of its registry entry rewrites those that spell out global sizes; the others are kept."""
+    entry = get(e.prim)
+    if entry is None or entry.localize is None:
+        return dict(e.params)
+    return entry.localize(e, ins, outs)
 
 
 def rule_for(eqn: Eqn) -> FactorRule:

@@ -19,18 +19,29 @@ A group count ``> 1`` adds a group factor ``g``, major in lhs feature ``(g, i)``
 ``(g, n)``) and in both output-feature dims ``(g, o)``: tiling ``g`` runs whole groups per device
 (depthwise convs shard by channel) and lowering localizes the group count.
 
-Spatial dims are blocked, separately in lhs, rhs and result, except two exact cases: a dim whose
-window is one element with stride 1, no padding and no lhs dilation is per-element (lhs and result
-share its factor, as a 1×1 conv's), and a dim whose single output covers the whole unpadded,
-undilated lhs dim with an equally long kernel is a contraction (lhs and rhs share it).
-Tiling a spatial dim in general needs a *halo exchange* (not done here: the value is gathered).
-Device ``j`` of ``b`` computing outputs ``[j·m, (j+1)·m)`` (``m = out/b``) reads padded lhs rows
-``[j·m·s, (j+1)·m·s - s + K)`` with ``K = (k-1)·rhs_dilation + 1``; with lhs blocks of
-``m·s`` rows it owns ``[j·m·s, (j+1)·m·s)`` and needs ``lo`` rows from device ``j-1`` and
-``K - s - lo`` rows from device ``j+1`` (a ``collective_permute`` of the borders; the outer
-devices use the zero padding instead; negative halos crop), then runs the local conv unpadded. An
-lhs dilation scales these in dilated coordinates; the weight gradient then contracts the tiled dim
-with the cotangent's block (a pending sum) after the same halo exchange of the input.
+Spatial dims, per dim ``k`` (stride ``s``, lhs dilation ``d``, low padding ``lo``, dilated kernel
+``K = (k-1)·rhs_dilation + 1``):
+
+- a window of one element with stride 1, no padding and no lhs dilation is per-element (lhs and
+  result share its factor, as a 1×1 conv's); a single output covering the whole unpadded,
+  undilated lhs dim with an equally long kernel is a contraction (lhs and rhs share it);
+- *halo dims* (``FactorRule.halo``): when ``out·s == lhs·d`` the blocks of the lhs and of the result
+  line up (stride-1 'SAME', stride-``s`` 'SAME' with ``s | n``, ``k == s`` 'VALID', and the input
+  gradients of those, which dilate the cotangent by ``s``): lhs dim ``(f, a)`` and result dim
+  ``(f, c)`` share the major factor ``f`` (``a``, ``c`` minor and untiled), the rhs dim is blocked.
+  When instead ``rhs·rhs_dilation == lhs·d`` (the *weight gradient*, whose rhs is the cotangent
+  sliding over the input with ``rhs_dilation`` = the forward stride) lhs and rhs share ``f``, a
+  contraction: tiling it leaves each device a pending sum of the kernel gradient.
+  Device ``j`` of ``b`` owns lhs elements at padded positions ``lo + j·S + t·d`` (``S`` = block ·
+  ``d``) and its outputs read ``[j·S, (j+1)·S + reach)`` with ``reach = K - s`` (forward) or
+  ``(out-1)·s + 1 - rhs_dilation`` (weight gradient); it needs ``⌊lo/d⌋`` elements of device
+  ``j-1`` and ``⌈(reach-lo)/d⌉`` of device ``j+1``, exchanged by ``collective_permute`` and
+  concatenated, then runs the conv with the padding of the extended block
+  (:class:`~partir_emu.primitives.window.HaloDim`, :mod:`partir_emu.compiler.halo`). The outer
+  devices receive zeros, which is the conv's zero padding. ``f`` is coarse enough that a halo
+  never exceeds one neighbour's block;
+- every other spatial dim ('VALID' with ``k > s``, whose output is shorter than ``lhs/s``) is
+  blocked, separately in lhs, rhs and result: tiling it gathers the lhs.
 
 Numerics: bfloat16/float16 operands are multiplied and summed in float32, as XLA CPU does; the
 interpreter rounds the result. Cost: ``2 · result elements · kernel window · I`` FLOPs on the matrix
@@ -51,7 +62,7 @@ from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
 from partir_emu.errors import EmulationError
 from partir_emu.primitives._costs import Cost, elems, in_bytes, out_bytes
-from partir_emu.primitives.window import window_view
+from partir_emu.primitives.window import HaloDim, halo_split, split_dims, window_view
 
 
 def _specs(p: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -66,7 +77,7 @@ def _compound(b: RuleBuilder, *factors: int | None) -> tuple[int, ...]:
     return kept or (b.new(1),)
 
 
-def conv_rule(eqn: Eqn) -> FactorRule:
+def _geometry(eqn: Eqn) -> tuple[RuleBuilder, list, list, list, list[HaloDim]]:
     lhs, rhs = eqn.inputs
     out = eqn.outputs[0]
     p = eqn.params
@@ -84,22 +95,43 @@ def conv_rule(eqn: Eqn) -> FactorRule:
     ld[ls[1]], rd[rs[1]] = _compound(b, g if G > 1 else None, i), _compound(b, i)
     o = b.new(rhs.shape[rs[0]] // groups)
     rd[rs[0]] = od[os_[1]] = _compound(b, g, o)
+    halos: list[HaloDim] = []
     for k in range(len(ls) - 2):
         ln, kn, on = lhs.shape[ls[2 + k]], rhs.shape[rs[2 + k]], out.shape[os_[2 + k]]
         stride, pad = p["window_strides"][k], tuple(p["padding"][k])
         ldil, rdil = p["lhs_dilation"][k], p["rhs_dilation"][k]
         plain = pad == (0, 0) and ldil == 1
+        fwd_reach = (kn - 1) * rdil + 1 - stride          # lhs rows a block's windows read past the next block
+        wgrad_reach = (on - 1) * stride + 1 - rdil          # the same when the rhs slides over the lhs
         if plain and kn == 1 and stride == 1:                       # per-element (1×1 window)
             f = b.new(ln)
             ld[ls[2 + k]], rd[rs[2 + k]], od[os_[2 + k]] = (f,), (b.new(1),), (f,)
         elif plain and rdil == 1 and on == 1 and ln == kn:          # one window over the whole dim
             f = b.new(ln)
             ld[ls[2 + k]], rd[rs[2 + k]], od[os_[2 + k]] = (f,), (f,), (b.new(1),)
+        elif (split := halo_split(ln, on, stride, ldil, pad[0], fwd_reach)) is not None:   # output rows ↔ lhs rows
+            f, ld[ls[2 + k]], od[os_[2 + k]] = split_dims(b, split)
+            rd[rs[2 + k]] = (b.new(kn, blocked=True),)
+            halos.append(HaloDim(f, 0, ls[2 + k], k, pad[0], ldil, fwd_reach))
+        elif (split := halo_split(ln, kn, rdil, ldil, pad[0], wgrad_reach)) is not None:  # weight gradient
+            f, ld[ls[2 + k]], rd[rs[2 + k]] = split_dims(b, split)
+            od[os_[2 + k]] = (b.new(on, blocked=True),)
+            halos.append(HaloDim(f, 0, ls[2 + k], k, pad[0], ldil, wgrad_reach))
         else:
             ld[ls[2 + k]] = (b.new(ln, blocked=True),)
             rd[rs[2 + k]] = (b.new(kn, blocked=True),)
             od[os_[2 + k]] = (b.new(on, blocked=True),)
-    return b.rule([ld, rd], [od])
+    return b, ld, rd, od, halos
+
+
+def conv_rule(eqn: Eqn) -> FactorRule:
+    b, ld, rd, od, halos = _geometry(eqn)
+    return b.rule([ld, rd], [od], halo=frozenset(h.factor for h in halos))
+
+
+def conv_halos(eqn: Eqn) -> list[HaloDim]:
+    """The spatial dims of ``eqn`` whose factor may be tiled with a halo exchange of the lhs."""
+    return _geometry(eqn)[4]
 
 
 # -- impl -------------------------------------------------------------------------------------------

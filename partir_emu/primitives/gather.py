@@ -1,7 +1,11 @@
 """gather, as an embedding lookup uses it (the scatters, its gradients, are in ``scatter``).
 
 Rule: the index batch dims are shared with the result's batch dims; operand dims taken whole
-(slice size = dim size) are shared with the result's offset dims; indexed dims are blocked.
+(slice size = dim size) are shared with the result's offset dims; indexed dims are blocked,
+except a row lookup's (:func:`looked_up_dim`: an embedding table's vocabulary), which is a
+reduction factor: tiled, each device looks up the rows it holds (indices shifted by its block's
+start, out-of-block positions zero) and the result is a pending sum; the lowering emits that
+masked local lookup (:mod:`partir_emu.compiler.indexed`), Megatron's vocab-parallel embedding.
 
 numpy impl with XLA semantics. Parameters are the normalized ``GatherDimensionNumbers`` dict
 (with operand/indices batching dims). As in jax, the last dim of ``indices`` is the index
@@ -57,10 +61,30 @@ def gather_rule(eqn: Eqn) -> FactorRule:
             odims[od] = xdims[xd] = f
         else:
             odims[od] = (b.new(out.shape[od], blocked=True),)
+    lookup = looked_up_dim(eqn)
+    if lookup is not None and "FILL_OR_DROP" not in str(eqn.params.get("mode")):
+        # the looked-up dim (an embedding's vocabulary): tiled, each device looks up the rows it
+        # holds and yields zeros for the others, so the result is a pending sum (compiler/indexed)
+        xdims[lookup] = (b.new(operand.shape[lookup]),)
     for d in range(operand.ndim):
         if xdims[d] is None:
             xdims[d] = (b.new(operand.shape[d], blocked=True),)
     return b.rule([xdims, idims], [odims])
+
+
+def looked_up_dim(eqn: Eqn) -> int | None:
+    """The operand dim a gather or scatter indexes, when it is a row lookup: one index per
+    position (index vector of length 1) into a dim whose slice is one element and is dropped
+    from the window (``emb[tokens]`` and its scatter-add gradient); None otherwise."""
+    dn = eqn.params["dimension_numbers"]
+    gather = eqn.prim == "gather"
+    index_map = tuple(dn["start_index_map"] if gather else dn["scatter_dims_to_operand_dims"])
+    dropped = set(dn["collapsed_slice_dims"] if gather else dn["inserted_window_dims"])
+    if len(index_map) != 1 or eqn.inputs[1].shape[-1] != 1 or index_map[0] not in dropped:
+        return None
+    if dn.get("operand_batching_dims"):
+        return None
+    return index_map[0]
 
 
 # -- impls ------------------------------------------------------------------------------

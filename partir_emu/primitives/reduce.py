@@ -1,7 +1,9 @@
 """Reductions, cumulative scans, sort and top_k.
 
-Rules: tiling a summed dim makes the result partial; the reduced dim of max/min/argmax/prod,
-a scanned dim, a sorted dim and top_k's dim are blocked (each device would need the whole row).
+Rules: tiling a summed dim makes the result a pending sum; tiling the reduced dim of max/min a
+pending max/min (each device reduces its block; an ``all_reduce(max)`` of the small result
+resolves it: a vocab-parallel softmax needs no gathered logits); the reduced dim of argmax/prod/
+and/or, a scanned dim, a sorted dim and top_k's dim are blocked (each device would need the whole row).
 Costs: 1 FLOP per input element (``n·⌈log2 n⌉`` per row for sort, ``n·⌈log2 k⌉`` for top_k),
 kind ``reduction``.
 
@@ -32,9 +34,15 @@ def reduce_rule(eqn: Eqn) -> FactorRule:
     axes = set(eqn.params["axes"])
     b = RuleBuilder()
     summed = eqn.prim == "reduce_sum"
-    dims = [(b.new(n, blocked=(i in axes and not summed)),) for i, n in enumerate(x.shape)]
+    op = _PENDING.get(eqn.prim)
+    dims = [(b.new(n, blocked=(i in axes and op is None)),) for i, n in enumerate(x.shape)]
     out = [d for i, d in enumerate(dims) if i not in axes]
-    return b.rule([dims], [out], linear=summed)
+    return b.rule([dims], [out], linear=summed, reduce_op=op or "sum")
+
+
+# reductions that may run over a tiled dim: each device reduces its block, then the partial results
+# combine by this op (an all_reduce of the small result); the others (prod, and/or, argmax) block it
+_PENDING = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 
 
 def scan_rule(eqn: Eqn) -> FactorRule:

@@ -3,7 +3,10 @@
 
 Rules. The operand's window dims that an update covers whole (and that no index addresses) are
 shared with the updates; the operand's batching dims are shared with the indices' batching dims;
-every other operand dim is blocked. The updates' scatter dims (one per index vector):
+a row lookup's indexed dim (``gather.looked_up_dim``: the vocabulary of an embedding gradient)
+is shared by operand and result: tiled, each device applies the updates that land in its block
+(indices shifted, the others dropped: :mod:`partir_emu.compiler.indexed`); every other operand
+dim is blocked. The updates' scatter dims (one per index vector):
 
 - ``scatter-add``: *reduction* factors. Each device adds its own updates: the result is partial
   and the accumulator operand must carry the same partial axes.
@@ -29,7 +32,7 @@ from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
 from partir_emu.primitives._costs import Cost, elems, nbytes_of
-from partir_emu.primitives.gather import in_bounds, starts_of, window_index
+from partir_emu.primitives.gather import in_bounds, looked_up_dim, starts_of, window_index
 
 
 # -- rules ------------------------------------------------------------------------------
@@ -61,6 +64,11 @@ def scatter_rule(eqn: Eqn) -> FactorRule:
             udims[ud] = xdims[xd] = f
         else:
             udims[ud] = (b.new(updates.shape[ud], blocked=True),)
+    lookup = looked_up_dim(eqn)
+    if lookup is not None:
+        # rows into a tiled dim (an embedding gradient into a vocab-parallel table): each device
+        # applies the updates that land in its block (compiler/indexed); updates stay whole
+        xdims[lookup] = (b.new(operand.shape[lookup]),)
     for d in range(operand.ndim):
         if xdims[d] is None:
             xdims[d] = (b.new(operand.shape[d], blocked=True),)

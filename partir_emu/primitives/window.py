@@ -10,8 +10,18 @@ windows (none if the window does not fit).
 
 Rules: a dim is *per-element* when its window is one element with stride 1, no padding and no base
 dilation (the batch and channel dims of NHWC pooling): operand and result share its factor, which
-may be tiled. Every other dim is blocked (a window would straddle device borders; a halo exchange
-of ``dilated_window - stride`` border elements would be needed, see :mod:`.conv`).
+may be tiled. A window dim whose operand and result blocks line up (``out·stride ==
+operand·base_dilation``: 2×2 pooling with stride 2, 'SAME' pooling with ``stride | n``) is a *halo
+dim*: operand ``(f, a)`` and result ``(f, c)`` share the major factor ``f``, and tiling it makes each
+device read ``HaloDim.halos()`` border elements of its neighbours (:class:`HaloDim`, exchanged by
+:mod:`partir_emu.compiler.halo`; none when windows never straddle blocks, e.g. window == stride).
+The outer devices' missing neighbour rows are the padding, filled with the reduction's identity
+(:func:`window_identity`: ``-inf`` for a max). ``select_and_scatter_add`` (max-pool gradient)
+takes a halo dim only when windows never straddle blocks (2×2/stride 2): with overlapping windows
+its scatter would need a second, reverse exchange, and a ``-inf`` stand-in for the padding could be
+selected where the padding never is; that dim stays blocked. Every other dim ('VALID' pooling with
+window > stride, whose output is shorter than ``n/stride``) is blocked: tiling it gathers the
+operand.
 ``reduce_window_sum`` is linear: a pending sum passes through it.
 
 Numerics: ``reduce_window_sum`` of a bfloat16/float16 operand is summed in float32 and rounded
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -84,44 +95,120 @@ def _per_element(window: int, stride: int, pad: Sequence[int], base: int) -> boo
     return window == 1 and stride == 1 and tuple(pad) == (0, 0) and base == 1
 
 
+# -- halo geometry ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HaloDim:
+    """One window dim whose blocks may be tiled with a halo exchange (see the module docstring).
+
+    Device ``j`` owns operand elements ``[j·m, (j+1)·m)`` of ``operand``'s dim ``dim``; in the dilated,
+    padded coordinates they sit at ``lo + j·S + t·dilation`` with ``S = m·dilation``, and the device's
+    outputs read positions ``[j·S, (j+1)·S + reach)``."""
+
+    factor: int        # the factor the operand dim shares with the result (or the contracted operand)
+    operand: int       # the operand that is extended by its neighbours' border elements
+    dim: int           # its dim
+    pad_index: int     # which entry of ``params["padding"]`` is this dim's padding
+    lo: int            # the dim's low padding
+    dilation: int      # spacing of the operand's elements (lhs/base dilation)
+    reach: int         # how far a block's windows read past where the next block's windows start
+
+    def halos(self) -> tuple[int, int]:
+        """Elements needed from the previous and from the next device (``lo`` and ``hi``)."""
+        before = self.lo // self.dilation if self.lo > 0 else 0
+        return before, max(0, -(-(self.reach - self.lo) // self.dilation))
+
+    def local_padding(self, m: int) -> tuple[int, int]:
+        """The padding of a block of ``m`` own elements extended by the halos: what the local
+        equation uses instead of the global padding (negative crops)."""
+        before, after = self.halos()
+        d = self.dilation
+        first = self.lo - before * d
+        last = first + (before + m + after - 1) * d
+        return first, m * d + self.reach - last - 1
+
+
+def halo_split(n_in: int, n_out: int, stride: int, dilation: int, lo: int, reach: int) -> tuple[int, int, int] | None:
+    """How a window dim of ``n_in`` operand elements and ``n_out`` windows (or contracted elements)
+    can be tiled: ``(F, a, c)`` with ``n_in = F·a`` and ``n_out = F·c``, the shared factor ``F`` major,
+    the ``a``/``c`` minor parts untiled; None if blocks cannot line up (``n_out·stride != n_in·dilation``).
+    ``F`` is the largest that keeps every halo within one neighbour's block (``a·(F_max/F) >= halo``)."""
+    if n_in < 1 or n_out < 1 or n_out * stride != n_in * dilation:
+        return None
+    full = math.gcd(n_in, n_out)
+    g = HaloDim(0, 0, 0, 0, lo, dilation, reach)
+    need = max(g.halos())
+    a = n_in // full
+    q = next((q for q in range(1, full + 1) if full % q == 0 and a * q >= need), None)
+    if q is None:
+        return None
+    return full // q, a * q, (n_out // full) * q
+
+
+def split_dims(b: RuleBuilder, split: tuple[int, int, int]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """The shared factor and the two compound dims ``(F, a)`` and ``(F, c)`` of a :func:`halo_split`."""
+    full, a, c = split
+    f = b.new(full)
+    return f, tuple(x for x in (f, b.new(a, blocked=True) if a > 1 else None) if x is not None), \
+        tuple(x for x in (f, b.new(c, blocked=True) if c > 1 else None) if x is not None)
+
+
 # -- rules ------------------------------------------------------------------------------------------
-def reduce_window_rule(eqn: Eqn) -> FactorRule:
-    """Per-element dims shared, every other dim blocked (separately in operand and result)."""
-    x, out = eqn.inputs[0], eqn.outputs[0]
-    win, st, pad, base, _ = _params(eqn.params, x.ndim)
+def _window_dims(eqn: Eqn, operand: int, zero_halo_only: bool) -> tuple[RuleBuilder, list, list, list[HaloDim]]:
+    """Per dim of the windowed operand: (operand factors, result factors); shared per-element
+    dims, shared halo dims where blocks line up (only halo-free ones if ``zero_halo_only``), else
+    blocked separately."""
+    x, out = eqn.inputs[operand], eqn.outputs[0] if eqn.prim != "select_and_scatter_add" else eqn.inputs[0]
+    win, st, pad, base, wdil = _params(eqn.params, x.ndim)
     b = RuleBuilder()
-    xdims, odims = [], []
+    xdims: list[tuple[int, ...]] = []
+    odims: list[tuple[int, ...]] = []
+    halos: list[HaloDim] = []
     for d, n in enumerate(x.shape):
         if _per_element(win[d], st[d], pad[d], base[d]):
-            f = (b.new(n),)
-            xdims.append(f)
-            odims.append(f)
+            xdims.append((b.new(n),))
+            odims.append(xdims[-1])
+            continue
+        reach = (win[d] - 1) * wdil[d] + 1 - st[d]
+        split = halo_split(n, out.shape[d], st[d], base[d], pad[d][0], reach)
+        geo = HaloDim(0, operand, d, d, pad[d][0], base[d], reach)
+        if split is not None and not (zero_halo_only and any(geo.halos())):
+            f, xd, od = split_dims(b, split)
+            xdims.append(xd)
+            odims.append(od)
+            halos.append(HaloDim(f, operand, d, d, geo.lo, geo.dilation, reach))
         else:
             xdims.append((b.new(n, blocked=True),))
             odims.append((b.new(out.shape[d], blocked=True),))
-    return b.rule([xdims], [odims], linear=eqn.prim == "reduce_window_sum")
+    return b, xdims, odims, halos
+
+
+def reduce_window_halos(eqn: Eqn) -> list[HaloDim]:
+    """The halo dims of a ``reduce_window_*``."""
+    return _window_dims(eqn, 0, False)[3]
+
+
+def reduce_window_rule(eqn: Eqn) -> FactorRule:
+    """Per-element dims shared, halo dims shared (major factor), every other dim blocked."""
+    b, xdims, odims, halos = _window_dims(eqn, 0, False)
+    return b.rule([xdims], [odims], linear=eqn.prim == "reduce_window_sum", halo=frozenset(h.factor for h in halos))
+
+
+def select_and_scatter_add_halos(eqn: Eqn) -> list[HaloDim]:
+    """Halo dims of ``select_and_scatter_add``: only where windows never straddle blocks."""
+    return _window_dims(eqn, 1, True)[3]
 
 
 def select_and_scatter_add_rule(eqn: Eqn) -> FactorRule:
-    """Operands (source, operand) -> result (operand's shape): per-element dims shared by all
-    three; every other dim blocked (the source's apart from the operand's and result's)."""
-    source, operand = eqn.inputs
-    win, st, pad, base, _ = _params(eqn.params, operand.ndim)
-    b = RuleBuilder()
-    sdims, odims = [], []
-    for d, n in enumerate(operand.shape):
-        if _per_element(win[d], st[d], pad[d], base[d]):
-            f = (b.new(n),)
-            sdims.append(f)
-            odims.append(f)
-        else:
-            sdims.append((b.new(source.shape[d], blocked=True),))
-            odims.append((b.new(n, blocked=True),))
-    return b.rule([sdims, odims], [odims])
+    """Operands (source, operand) -> result (operand's shape): per-element dims and halo-free
+    window dims (windows that tile the blocks) shared by all three; every other dim blocked (the
+    source's apart from the operand's and result's)."""
+    b, xdims, sdims, halos = _window_dims(eqn, 1, True)
+    return b.rule([sdims, xdims], [xdims], halo=frozenset(h.factor for h in halos))
 
 
 # -- impls ------------------------------------------------------------------------------------------
-def _identity(dt: np.dtype, op: str) -> Any:
+def window_identity(dt: np.dtype, op: str) -> Any:
+    """The identity of ``op`` (sum, max, min) for dtype ``dt``: what a window's padding holds."""
     if op == "sum":
         return 0
     big = op == "min"
@@ -137,12 +224,12 @@ def _reduce_window(op: str) -> Callable[..., np.ndarray]:
     def impl(x: np.ndarray, **p: Any) -> np.ndarray:
         x = np.asarray(x)
         win, st, pad, base, wdil = _params(p, x.ndim)
-        view = window_view(x, win, st, pad, base, wdil, _identity(x.dtype, op))
+        view = window_view(x, win, st, pad, base, wdil, window_identity(x.dtype, op))
         axes = tuple(range(x.ndim, 2 * x.ndim))
         if op == "sum":
             acc = np.float32 if is_low_float(x.dtype) else x.dtype
             return np.sum(view, axis=axes, dtype=acc).astype(x.dtype)
-        return (np.max if op == "max" else np.min)(view, axis=axes, initial=_identity(x.dtype, op))
+        return (np.max if op == "max" else np.min)(view, axis=axes, initial=window_identity(x.dtype, op))
     return impl
 
 

@@ -5,38 +5,60 @@ this process, equation by equation, all devices in lockstep (an env per
 device, ``read``/``write``, one loop):
 
 - a communicating collective (``all_gather``, ``all_reduce``,
-  ``reduce_scatter``, ``all_to_all``) is handed to the ``collective``
+  ``reduce_scatter``, ``all_to_all``, ``collective_permute``) is handed to the ``collective``
   callback with every hosted device's operand; the callback owns the
   communication (in-process schedules, MPI, ...);
 - the local collectives ``all_slice`` (keep block ``group_index`` of ``dim``)
   and ``to_partial`` (the value on group member 0, zeros elsewhere), and
   ``axis_index`` (this device's index along a mesh axis, int32) are evaluated
   per device without traffic, by the ``per_device`` facet of their registry entry;
+- a ``loop`` equation (:mod:`partir_emu.core.loops`) runs its body once per iteration, every
+  device in lockstep, by the same rules (a collective in the body reaches the same callback
+  once per iteration); ``xs[i]`` rows are views and ``y`` rows are written into the stacked
+  outputs allocated once, so a loop costs no copies beyond its results;
 - everything else runs per device through the interpreter (the ``impl`` facet).
 
+:class:`Position` says where the run is (the equation index in the innermost program and, per
+enclosing loop, its equation index and iteration); the MPI mesh reads it to name a collective
+inside a loop body, :func:`partir_emu.runtime.progress.locate_in_engine` reads the same from a
+traceback's frames (``_run_block``'s ``i``/``eqn``, ``_run_loop``'s ``it``, a frame's ``d``).
+
 Peak memory per device: buffers are released by the one liveness analysis
-(:func:`partir_emu.core.analysis.liveness`, whose docstring states the convention), which the
-memory model in ``hwmodels`` also counts by. Here the size of a value is measured as ``.nbytes``
-of the numpy array actually held, so the test that holds the two equal checks real allocations
+(:func:`partir_emu.core.analysis.liveness`, whose docstring states the convention, loops in its
+rule 5), which the memory model in ``hwmodels`` also counts by. Here the size of a value is
+measured as ``.nbytes`` of the numpy array actually held (a literal bound to a Var, as a literal
+carry, counts its Var's size), so the test that holds the two equal checks real allocations
 against shapes, not two copies of one rule. The peak is sampled after each equation's outputs
-are allocated, while its inputs are still live.
+are allocated, while its inputs are still live; a loop's sample adds the largest peak of its
+body over the iterations (each body run counted from its own start point).
 
 ``peak_bytes[device]`` is the largest sample.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from partir_emu.core.analysis import liveness
-from partir_emu.core.ir import Atom, Eqn, Literal, Var
+from partir_emu.core.analysis import Liveness, liveness
+from partir_emu.core.dtypes import np_dtype
+from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.core.loops import LOOP, iteration_order
+from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.errors import ArgumentError
 from partir_emu.primitives import get
-from partir_emu.runtime.interpreter import check_inputs, coerce_result, eval_eqn, output_value
+from partir_emu.runtime.interpreter import (
+    check_inputs,
+    coerce_result,
+    eval_eqn,
+    loop_args,
+    new_ys,
+    output_value,
+    put_rows,
+)
 
 Collective = Callable[[Eqn, dict[int, np.ndarray]], dict[int, np.ndarray]]
 
@@ -47,54 +69,134 @@ class EngineResult:
     peak_bytes: dict[int, int]             # device → peak live bytes (convention above)
 
 
+@dataclass
+class Position:
+    """Where a lockstep run is: ``index`` is the equation being run in the innermost program;
+    ``loops`` holds, outermost first, ``(equation index, iteration)`` of each enclosing loop."""
+
+    index: int = -1
+    loops: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def top(self) -> int:
+        """The equation index in the SPMD program itself (the outermost loop's, inside a body)."""
+        return self.loops[0][0] if self.loops else self.index
+
+
 def run_spmd(spmd: SpmdProgram, devices: Sequence[int], local_inputs: Mapping[int, Sequence[np.ndarray]],
-             collective: Collective) -> EngineResult:
-    """Run ``spmd`` in lockstep on ``devices``, from each device's local input blocks."""
-    prog, mesh = spmd.program, spmd.mesh
+             collective: Collective, position: Position | None = None) -> EngineResult:
+    """Run ``spmd`` in lockstep on ``devices``, from each device's local input blocks.
+    ``position`` (optional) is kept up to date while it runs (see :class:`Position`)."""
+    prog = spmd.program
     devices = list(devices)
     missing = [d for d in devices if d not in local_inputs]
     if missing:
         raise ArgumentError(f"no local inputs for devices {missing}")
-    plan = liveness(prog)
-    env: dict[int, dict[Var, np.ndarray]] = {d: {} for d in devices}
-    live = dict.fromkeys(devices, 0)
-    peak = dict.fromkeys(devices, 0)
-
-    def read(d: int, a: Atom) -> Any:
-        return a if isinstance(a, Literal) else env[d][a]
-
-    def write(d: int, v: Var, x: np.ndarray) -> None:
-        if v not in env[d]:
-            live[d] += x.nbytes
-        env[d][v] = x
-
-    def release(d: int, vs: Sequence[Var]) -> None:
-        for v in vs:
-            live[d] -= env[d].pop(v).nbytes
-
-    for d in devices:
-        for v, x in zip(prog.inputs, check_inputs(prog, local_inputs[d], f"SPMD program (device {d}, local blocks)")):
-            write(d, v, x)
-        for v, c in prog.consts:
-            write(d, v, np.asarray(c))
-        peak[d] = live[d]
-        release(d, plan.at_start)
-
-    for i, eqn in enumerate(prog.eqns):
-        if eqn.prim in COMM_PRIMS:
-            results = collective(eqn, {d: read(d, eqn.inputs[0]) for d in devices})
-            outs = {d: [coerce_result(results[d], eqn.outputs[0], eqn)] for d in devices}
-        elif (entry := get(eqn.prim)) is not None and entry.per_device is not None:
-            rule = entry.per_device
-            outs = {d: [coerce_result(rule(*[read(d, a) for a in eqn.inputs], mesh, d, **eqn.params),
-                                      eqn.outputs[0], eqn)] for d in devices}
-        else:
-            outs = {d: eval_eqn(eqn, [read(d, a) for a in eqn.inputs]) for d in devices}
-        for d in devices:
-            for v, x in zip(eqn.outputs, outs[d]):
-                write(d, v, x)
-            peak[d] = max(peak[d], live[d])
-            release(d, plan.after[i])
-
-    outputs = {d: [output_value(read(d, o)) for o in prog.outputs] for d in devices}
+    args = {d: check_inputs(prog, local_inputs[d], f"SPMD program (device {d}, local blocks)") for d in devices}
+    run = _Lockstep(spmd.mesh, devices, collective, position if position is not None else Position())
+    results, peak = run._run_block(prog, args)
+    outputs = {d: [output_value(x) for x in results[d]] for d in devices}
     return EngineResult(outputs, peak)
+
+
+def _size(x: Any, v: Var) -> int:
+    """Bytes a value takes: the array's own ``nbytes``; a literal bound to ``v`` takes ``v``'s size."""
+    return v.nbytes if isinstance(x, Literal) else x.nbytes
+
+
+def _array(x: Any, a: Atom) -> Any:
+    """A collective's operand as an array (a literal carry or const is materialized)."""
+    return np.asarray(x.value, np_dtype(a.dtype)) if isinstance(x, Literal) else x
+
+
+class _Lockstep:
+    """One run: the devices, the collective callback, the position, each program's liveness."""
+
+    def __init__(self, mesh: Mesh, devices: list[int], collective: Collective, position: Position) -> None:
+        self.mesh, self.devices, self.collective, self.position = mesh, devices, collective, position
+        self._plans: dict[int, tuple[Program, Liveness]] = {}
+
+    def plan(self, program: Program) -> Liveness:
+        got = self._plans.get(id(program))
+        if got is None or got[0] is not program:
+            got = self._plans[id(program)] = (program, liveness(program))
+        return got[1]
+
+    def _run_block(self, program: Program, args: Mapping[int, Sequence[Any]]) -> tuple[dict[int, list], dict[int, int]]:
+        """Run ``program`` on every device from ``args`` (its inputs per device): its results and
+        its peak live bytes per device, counted from its own start point."""
+        devices, pos = self.devices, self.position
+        plan = self.plan(program)
+        env: dict[int, dict[Var, Any]] = {d: {} for d in devices}
+        live = dict.fromkeys(devices, 0)
+
+        def read(d: int, a: Atom) -> Any:
+            return a if isinstance(a, Literal) else env[d][a]
+
+        def write(d: int, v: Var, x: Any) -> None:
+            if v not in env[d]:
+                live[d] += _size(x, v)
+            env[d][v] = x
+
+        def release(d: int, vs: Sequence[Var]) -> None:
+            for v in vs:
+                live[d] -= _size(env[d].pop(v), v)
+
+        for d in devices:
+            for v, x in zip(program.inputs, args[d]):
+                write(d, v, x)
+            for v, c in program.consts:
+                write(d, v, np.asarray(c))
+        peak = dict(live)
+        for d in devices:
+            release(d, plan.at_start)
+
+        for i, eqn in enumerate(program.eqns):
+            pos.index = i
+            extra: Mapping[int, int] | None = None
+            if eqn.prim == LOOP:
+                outs, extra = self._run_loop(i, eqn, {d: [read(d, a) for a in eqn.inputs] for d in devices})
+                pos.index = i
+            else:
+                outs = self._run_eqn(eqn, read)
+            for d in devices:
+                for v, x in zip(eqn.outputs, outs[d]):
+                    write(d, v, x)
+                peak[d] = max(peak[d], live[d] + (extra[d] if extra else 0))
+                release(d, plan.after[i])
+        return {d: [read(d, o) for o in program.outputs] for d in devices}, peak
+
+    def _run_eqn(self, eqn: Eqn, read: Callable[[int, Atom], Any]) -> dict[int, list]:
+        """One equation that is not a loop, on every device."""
+        devices = self.devices
+        if eqn.prim in COMM_PRIMS:
+            a = eqn.inputs[0]
+            results = self.collective(eqn, {d: _array(read(d, a), a) for d in devices})
+            return {d: [coerce_result(results[d], eqn.outputs[0], eqn)] for d in devices}
+        entry = get(eqn.prim)
+        if entry is not None and entry.per_device is not None:
+            rule, mesh = entry.per_device, self.mesh
+            return {d: [coerce_result(rule(*[read(d, a) for a in eqn.inputs], mesh, d, **eqn.params),
+                                      eqn.outputs[0], eqn)] for d in devices}
+        return {d: eval_eqn(eqn, [read(d, a) for a in eqn.inputs]) for d in devices}
+
+    def _run_loop(self, i: int, eqn: Eqn, operands: Mapping[int, list]) -> tuple[dict[int, list], dict[int, int]]:
+        """A loop equation at index ``i``: its results per device, and per device the largest peak
+        of one body run (rule 5 of :mod:`partir_emu.core.analysis`; 0 if it never runs)."""
+        devices, loops = self.devices, self.position.loops
+        body, nk = eqn.params["body"], int(eqn.params["num_carry"])
+        split = {d: loop_args(eqn, operands[d]) for d in devices}
+        carry = {d: split[d][1] for d in devices}
+        ys = {d: new_ys(eqn) for d in devices}
+        body_peak = dict.fromkeys(devices, 0)
+        loops.append((i, -1))
+        for it in iteration_order(eqn):
+            loops[-1] = (i, it)
+            args = {d: [*split[d][0], *carry[d], *(x[it] for x in split[d][2])] for d in devices}
+            outs, peak = self._run_block(body, args)
+            for d in devices:
+                carry[d] = outs[d][:nk]
+                put_rows(ys[d], it, outs[d][nk:])
+                body_peak[d] = max(body_peak[d], peak[d])
+        loops.pop()
+        return {d: [*carry[d], *ys[d]] for d in devices}, body_peak

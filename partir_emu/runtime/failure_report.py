@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from partir_emu.runtime.progress import device_str
+from partir_emu.runtime.progress import device_str, op_position
 from partir_emu.runtime.supervise import exit_statuses
 
 RANK_PREFIX = "partir-emu rank"
@@ -78,8 +78,22 @@ def _break_tie(ranks: list[dict], status: dict[int, str]) -> list[dict]:
 
 def _op(p: dict) -> str:
     if "op" in p and p.get("phase") in ("step", "failed"):
-        return f"op {p['op']} ({p.get('prim')} at {p.get('source')}; {p.get('state')})"
+        return f"{_pos(p)} ({p.get('prim')} at {p.get('source')}; {p.get('state')})"
     return f"op - ({p.get('phase')})"
+
+
+def _pos(p: dict) -> str:
+    """``'op 12'``, or inside a loop body ``'op 2 of the loop body at op 5, iteration 3'``."""
+    try:
+        return op_position(p["op"], p.get("loops") or ())
+    except (TypeError, ValueError):       # a record written by something else: say what it holds
+        return f"op {p['op']} (loops {p.get('loops')!r})"
+
+
+def _order(p: dict) -> int:
+    """How far a rank has got: its collective's number in the run (``seq``: one op runs once per
+    iteration inside a loop), or the op index in records without one."""
+    return int(p["seq"]) if isinstance(p.get("seq"), int) else int(p["op"])
 
 
 def where(p: dict) -> str:
@@ -108,11 +122,12 @@ def laggards(progress: list[dict]) -> list[str]:
     waiting = [p for p in stepping if p.get("state") == "waiting for the other ranks"]
     if not waiting:
         return []
-    front = max(p["op"] for p in waiting)
-    behind = [p for p in stepping if p["op"] < front or (p["op"] == front and p.get("state") == "computing")]
-    ahead = sorted(p["rank"] for p in waiting if p["op"] == front)
+    lead = max(waiting, key=_order)
+    front = _order(lead)
+    behind = [p for p in stepping if _order(p) < front or (_order(p) == front and p.get("state") == "computing")]
+    ahead = sorted(p["rank"] for p in waiting if _order(p) == front)
     return [f"{RANK_PREFIX} {p['rank']} {where(p)}: behind the others (rank{'s' if len(ahead) > 1 else ''} "
-            f"{ranges(ahead)} wait in op {front}); it is stuck after this op" for p in behind[:8]]
+            f"{ranges(ahead)} wait in {_pos(lead)}); it is stuck after this op" for p in behind[:8]]
 
 
 def ranges(xs: list[int]) -> str:

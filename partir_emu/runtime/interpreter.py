@@ -13,6 +13,13 @@ array's dtype, as jax's weakly-typed literals do (the traced literal dtype may
 say int64/float64 where jax meant the other operand's type). When every operand
 is a literal, they are 0-d arrays of their recorded dtype.
 
+Loops (:mod:`partir_emu.core.loops`): :func:`eval_eqn` runs a ``loop`` equation by
+:func:`eval_loop`, its body once per iteration on the iteration's consts, carry and ``xs[i]``
+rows (views, no copy), each ``y`` row written into a preallocated ``ys``. A body input bound to
+a literal (a literal carry or const) stays a :class:`Literal`, exactly as ``loops.unroll``
+substitutes it, so the two run the same arithmetic: the weak-literal rule above looks at the
+operands actually passed, not at the equation's atoms.
+
 This module never imports jax.
 """
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 
 from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.core.loops import LOOP, iteration_order, parts
 from partir_emu.errors import ArgumentError, EmulationError, UnsupportedPrimitiveError
 from partir_emu.primitives import get
 
@@ -38,8 +46,10 @@ def literal_value(lit: Literal, weak: bool) -> Any:
     return int(lit.value) if dt.kind in "iu" else float(lit.value)
 
 
-def eval_eqn(eqn: Eqn, operands: Sequence[Any]) -> list[np.ndarray]:
+def eval_eqn(eqn: Eqn, operands: Sequence[Any]) -> list[Any]:
     """Run one equation on already-read operands (Literals still as ``Literal``)."""
+    if eqn.prim == LOOP:
+        return eval_loop(eqn, operands)
     entry = get(eqn.prim)
     impl = entry.impl if entry is not None else None
     if impl is None and entry is not None and (entry.communicates or entry.per_device is not None):
@@ -50,7 +60,7 @@ def eval_eqn(eqn: Eqn, operands: Sequence[Any]) -> list[np.ndarray]:
         raise UnsupportedPrimitiveError(
             f"primitive {eqn.prim!r}{where} has no numpy implementation (no impl facet in its "
             f"partir_emu.primitives entry); add one or rewrite the function with supported operations")
-    weak = any(not isinstance(a, Literal) for a in eqn.inputs)
+    weak = any(not isinstance(a, Literal) for a in operands)
     args = [literal_value(v, weak) if isinstance(v, Literal) else v for v in operands]
     with np.errstate(all="ignore"):  # jax produces inf/nan silently
         result = impl(*args, **eqn.params)
@@ -89,23 +99,54 @@ def check_inputs(program: Program, inputs: Sequence[Any], what: str = "program")
 
 
 def eval_program(program: Program, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Evaluate a single-device program (no collectives) on numpy inputs."""
-    env: dict[Var, np.ndarray] = {}
+    """Evaluate a single-device program (no collectives; loops run) on numpy inputs."""
+    return [output_value(x) for x in eval_body(program, check_inputs(program, inputs))]
+
+
+def eval_body(program: Program, args: Sequence[Any]) -> list[Any]:
+    """``program``'s results on ``args`` (arrays, or ``Literal`` where a loop passes one), unchecked."""
+    env: dict[Var, Any] = {}
 
     def read(a: Atom) -> Any:
         return a if isinstance(a, Literal) else env[a]
 
-    def write(v: Var, x: np.ndarray) -> None:
-        env[v] = x
-
-    for v, x in zip(program.inputs, check_inputs(program, inputs)):
-        write(v, x)
+    env.update(zip(program.inputs, args))
     for v, c in program.consts:
-        write(v, np.asarray(c))
+        env[v] = np.asarray(c)
     for eqn in program.eqns:
-        for v, x in zip(eqn.outputs, eval_eqn(eqn, [read(a) for a in eqn.inputs])):
-            write(v, x)
-    return [output_value(read(o)) for o in program.outputs]
+        env.update(zip(eqn.outputs, eval_eqn(eqn, [read(a) for a in eqn.inputs])))
+    return [read(o) for o in program.outputs]
+
+
+def new_ys(eqn: Eqn) -> list[np.ndarray]:
+    """A loop's stacked outputs, allocated once; iteration ``i`` writes row ``i`` (zeros if ``length`` is 0,
+    as ``loops.unroll`` makes them)."""
+    alloc = np.zeros if int(eqn.params["length"]) == 0 else np.empty
+    return [alloc(y.shape, np_dtype(y.dtype)) for y in parts(eqn).ys]
+
+
+def put_rows(ys: Sequence[np.ndarray], i: int, rows: Sequence[Any]) -> None:
+    """Write one iteration's y rows into row ``i`` of the stacked outputs."""
+    for y, r in zip(ys, rows):
+        y[i] = r.value if isinstance(r, Literal) else r
+
+
+def loop_args(eqn: Eqn, operands: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """A loop's operands split into consts, carry and xs."""
+    nc, nk = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+    return list(operands[:nc]), list(operands[nc:nc + nk]), list(operands[nc + nk:])
+
+
+def eval_loop(eqn: Eqn, operands: Sequence[Any]) -> list[Any]:
+    """Run a ``loop`` equation: carry_out and the stacked ys."""
+    body, nk = eqn.params["body"], int(eqn.params["num_carry"])
+    consts, carry, xs = loop_args(eqn, operands)
+    ys = new_ys(eqn)
+    for i in iteration_order(eqn):
+        outs = eval_body(body, [*consts, *carry, *(x[i] for x in xs)])
+        carry = outs[:nk]
+        put_rows(ys, i, outs[nk:])
+    return [*carry, *ys]
 
 
 def output_value(x: Any) -> np.ndarray:

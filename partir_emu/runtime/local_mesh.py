@@ -3,7 +3,8 @@
 ``LocalMesh(mesh, algorithm).run(spmd, global_inputs)`` shards the global
 inputs by ``spmd.in_shardings`` (:mod:`layout`), runs the program with
 :func:`engine.run_spmd`, and reassembles the global outputs by
-``spmd.out_shardings``.
+``spmd.out_shardings``. Loop equations (their bodies' collectives included) run in the engine,
+once per iteration, through the same collective callback.
 
 Each collective runs once per device group ``mesh.groups(axes)`` (members in
 mesh-coordinate order). With a schedule algorithm (``ring``, ``bidir_ring``,

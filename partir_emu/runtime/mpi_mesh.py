@@ -29,6 +29,9 @@ Before each communicating collective every rank takes part in one tiny
 signature ``(sequence number, eqn index, prim, dtype, shape, axes, params)``:
 ranks that disagree (a different program, a skipped collective, a different
 shape) stop with a :class:`CollectiveError` naming the op instead of hanging.
+Inside a loop body the eqn index is the loop's (the sequence number tells the iterations
+apart); the :class:`~partir_emu.runtime.engine.Position` the engine keeps names the op in
+progress reports and errors (``op 2 of the loop body at op 5, iteration 3``).
 
 Waiting never blocks inside MPI (MPICH busy-polls, which starves the other
 ranks on a small box): non-blocking calls + ``Test`` + a short sleep.
@@ -36,7 +39,9 @@ Only buffer-based (uppercase) mpi4py calls are used; nothing is pickled.
 
 **Message trace.** With ``trace=True`` every transfer the schedule executor
 performs is recorded as a row ``(coll, step, src, dst, bytes)`` (``coll`` =
-equation index of the collective in the SPMD program, ``step`` = schedule
+equation index of the collective in the SPMD program, in the program unrolled by
+:func:`partir_emu.core.loops.unroll` if it has loops, so each iteration's run of a body
+collective is its own ``coll``; ``step`` = schedule
 step, ``src``/``dst`` = global device ids, ``bytes`` = payload); rows are
 recorded by the rank hosting ``src`` (in-rank copies included) and gathered to
 rank 0 with :meth:`MpiMesh.gather_trace`. Native collectives move data inside
@@ -62,12 +67,13 @@ from mpi4py import MPI
 from partir_emu.collectives.algorithms import build_schedule
 from partir_emu.collectives.mpi import MpiCollectives
 from partir_emu.collectives.semantics import reference
-from partir_emu.core.ir import Eqn, Var
+from partir_emu.core.ir import Eqn
+from partir_emu.core.loops import has_loops, unroll
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, permute_pairs
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
-from partir_emu.runtime.engine import EngineResult, run_spmd
+from partir_emu.runtime.engine import EngineResult, Position, run_spmd
 from partir_emu.runtime.jobs import MPI_ALGORITHMS
 from partir_emu.runtime.layout import block_slices, collective_dims, flatten_operand, restore_result, shard
 from partir_emu.runtime.progress import OpContext, describe_op
@@ -163,7 +169,8 @@ class MpiMesh:
         self.collectives = MpiCollectives(comm)  # keeps plans, buffers and sub-communicators until close()
         self._groups: dict[tuple[str, ...], list[list[int]]] = {}
         self._trace_parts: list[np.ndarray] = []
-        self._eqn_index: dict[Var, int] = {}      # a collective's output (SSA: unique) → its eqn index
+        self._position = Position()               # where run_spmd is (kept by the engine)
+        self._coll_ids: list[int] | None = None   # tracing a program with loops: per seq, its unrolled eqn index
         self._seq = 0
         self._tag = 0
 
@@ -208,9 +215,12 @@ class MpiMesh:
         """Run ``spmd`` on this rank's devices (every rank of ``comm`` must call this)."""
         if spmd.mesh != self.mesh:
             raise MeshError(f"the SPMD program was lowered for {spmd.mesh} but this MpiMesh is {self.mesh}")
-        self._eqn_index = {e.outputs[0]: i for i, e in enumerate(spmd.program.eqns) if e.prim in COMM_PRIMS}
+        self._position = Position()
+        self._coll_ids = None
+        if self.tracing and has_loops(spmd.program):     # the trace numbers each executed collective
+            self._coll_ids = [i for i, e in enumerate(unroll(spmd.program).eqns) if e.prim in COMM_PRIMS]
         self._seq = 0
-        return run_spmd(spmd, self.devices, local_inputs, self._collective)
+        return run_spmd(spmd, self.devices, local_inputs, self._collective, self._position)
 
     def gather_outputs(self, spmd: SpmdProgram, result: EngineResult) -> tuple[list[np.ndarray] | None, list[int] | None]:
         """Global outputs and per-device peak bytes on rank 0 (``(None, None)`` elsewhere).
@@ -296,12 +306,14 @@ class MpiMesh:
             self.progress(self.context)
 
     def _run_collective(self, eqn: Eqn, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        index = self._eqn_index[eqn.outputs[0]]
-        fault = self.fault.trigger(self.rank, index) if self.fault is not None else None
+        pos = self._position
+        index, top = pos.index, pos.top
+        fault = self.fault.trigger(self.rank, top) if self.fault is not None else None
         if fault == "hang":         # stuck before reaching the collective (test hook)
             self.fault.act(fault)
         ctx = self.context
-        ctx.index, ctx.eqn, ctx.seq = index, eqn, self._seq
+        ctx.index, ctx.eqn, ctx.seq, ctx.loops = index, eqn, self._seq, tuple(pos.loops)
+        coll = self._coll_ids[self._seq] if self._coll_ids is not None else index
         self._seq += 1
         self._set_state("waiting for the other ranks")
         if fault in ("raise", "exit") or (fault == "kill" and self.algorithm == "native"):
@@ -309,7 +321,7 @@ class MpiMesh:
         axes = tuple(eqn.params["axes"])
         x0 = operands[self.devices[0]]
         if self.check:
-            self._agree(index, eqn, x0, axes, fault == "mismatch")
+            self._agree(top, eqn, x0, axes, fault == "mismatch")
         self._set_state("moving data")
         kind, params = eqn.prim, dict(eqn.params)
         groups = self.local_groups(axes)
@@ -345,7 +357,7 @@ class MpiMesh:
                     results[g[pos]] = r
             if self.tracing and trace:
                 t = np.asarray(trace, np.int64).reshape(-1, 4)
-                self._trace_parts.append(np.concatenate([np.full((len(t), 1), index, np.int64), t], axis=1))
+                self._trace_parts.append(np.concatenate([np.full((len(t), 1), coll, np.int64), t], axis=1))
         return {d: restore_result(kind, results[d], x.shape, flat[d][1], p, x.dtype, **params)
                 for d, x in operands.items()}
 
@@ -365,7 +377,7 @@ class MpiMesh:
         buf = np.concatenate([sig, -sig])
         out = np.empty_like(buf)
         wait_all([self.comm.Iallreduce([buf, MPI.INT64_T], [out, MPI.INT64_T], MPI.MAX)], self.timeout_s,
-                 lambda: f"the agreement check of {describe_op(index, eqn)}")
+                 lambda: f"the agreement check of {describe_op(self.context.index, eqn, self.context.loops)}")
         hi, lo = out[:len(sig)], -out[len(sig):]
         bad = [f for f, a, b in zip(fields, hi, lo) if a != b]
         if bad:
@@ -409,7 +421,8 @@ FAULT_MODES = ("raise", "exit", "kill", "hang", "mismatch")
 @dataclass
 class FaultSpec:
     """Test hook: ``PARTIR_EMU_FAULT=rank:R:op:K:MODE`` makes rank ``R`` misbehave at the first
-    communicating collective whose equation index is ``>= K`` (once):
+    communicating collective whose equation index is ``>= K`` (once; a collective in a loop body
+    has its outermost loop's index):
 
     ``raise``    raise an EmulationError there (the rank reports it and aborts the job);
     ``exit``     ``os._exit(3)`` without a word (a crashing rank);

@@ -5,7 +5,9 @@ fixed-size JSON record ``rank-NNNNN.json`` up to date in the run's progress
 directory: ``rank``, ``pid``, ``host``, ``job``, ``phase`` (startup, inputs,
 barrier, step, gather, ..., ``done`` or ``failed``), ``devices``, ``shm`` (its
 MPICH segments), ``t`` (wall time) and, inside the step, ``op``/``prim``/
-``source``/``state`` of the collective it is in, plus ``error`` once it failed
+``source``/``state`` of the collective it is in (inside a loop body also ``loops``, the
+``[equation index, iteration]`` of each enclosing loop, outermost first; and ``seq``, the
+collective's number in the run, which orders positions across iterations), plus ``error`` once it failed
 and ``stopped_by`` (``SIGTERM`` …) once a stop signal ended it.
 The launcher's supervisor (:mod:`partir_emu.runtime.supervise`), or under a
 user's mpirun the host's :mod:`partir_emu.runtime.sentinel`, reads these
@@ -33,11 +35,19 @@ def short_source(source: str) -> str:
     return f"{m[-1][0]}:{m[-1][1]}" if m else (source or "?")
 
 
-def describe_op(index: int | None, eqn: Eqn | None) -> str:
-    """``'op 12 (all_reduce at mlp.py:103)'`` for error messages."""
+def describe_op(index: int | None, eqn: Eqn | None, loops: Sequence[Sequence[int]] = ()) -> str:
+    """``'op 12 (all_reduce at mlp.py:103)'`` for error messages; inside a loop body
+    ``'op 2 of the loop body at op 5, iteration 3 (all_reduce at mlp.py:103)'``."""
     if index is None or eqn is None:
         return "op -"
-    return f"op {index} ({eqn.prim} at {short_source(eqn.source)})"
+    return f"{op_position(index, loops)} ({eqn.prim} at {short_source(eqn.source)})"
+
+
+def op_position(index: int, loops: Sequence[Sequence[int]] = ()) -> str:
+    """``'op 12'``, or inside loop bodies (``loops``: ``(eqn index, iteration)`` outermost first)
+    ``'op 2 of the loop body at op 7, iteration 1, of the loop body at op 5, iteration 3'``."""
+    return ", ".join([f"op {index}"] + [f"of the loop body at op {int(i)}, iteration {int(it)}"
+                                        for i, it in reversed(loops)]).replace(", of", " of", 1)
 
 
 def device_str(devices: Sequence[int]) -> str:
@@ -59,31 +69,51 @@ class OpContext:
     devices: tuple[int, ...] = ()
     seq: int = -1
     state: str = ""     # 'waiting for the other ranks' | 'moving data' | 'computing' (after the op)
+    loops: tuple[tuple[int, int], ...] = ()     # enclosing loops: (eqn index, iteration), outermost first
 
     def describe(self) -> str:
-        return f"{device_str(self.devices)} {describe_op(self.index, self.eqn)}" if self.devices else \
-            describe_op(self.index, self.eqn)
+        op = describe_op(self.index, self.eqn, self.loops)
+        return f"{device_str(self.devices)} {op}" if self.devices else op
 
 
-def locate_in_engine(exc: BaseException) -> tuple[int | None, Eqn | None, int | None]:
-    """``(eqn index, eqn, device)`` of the equation :func:`engine.run_spmd` was evaluating when
-    ``exc`` was raised (read from the traceback's frames), or Nones."""
-    index = eqn = device = None
+@dataclass(frozen=True)
+class EngineSpot:
+    """Where :func:`engine.run_spmd` was when an exception left it (Nones: not in an equation)."""
+
+    index: int | None = None
+    eqn: Eqn | None = None
+    device: int | None = None
+    loops: tuple[tuple[int, int], ...] = ()   # enclosing loops: (eqn index, iteration), outermost first
+
+    def describe(self) -> str:
+        return describe_op(self.index, self.eqn, self.loops)
+
+
+def locate_in_engine(exc: BaseException) -> EngineSpot:
+    """The equation :func:`engine.run_spmd` was evaluating when ``exc`` was raised, read from the
+    traceback's frames: each ``_run_block`` frame (one per program: the SPMD program, then each loop
+    body entered) gives ``i``/``eqn``, each ``_run_loop`` frame the iteration ``it``, the innermost
+    frame holding a device ``d`` the device."""
+    blocks: list[tuple[Any, Any]] = []
+    its: list[Any] = []
+    device = None
     tb = exc.__traceback__
     while tb is not None:
         f = tb.tb_frame
         if f.f_code.co_filename.endswith("engine.py"):
             loc = f.f_locals
-            if f.f_code.co_name == "run_spmd":
-                index, eqn = loc.get("i", index), loc.get("eqn", eqn)
-                if isinstance(loc.get("d"), int) and device is None:
-                    device = loc["d"]
-            elif isinstance(loc.get("d"), int):      # the per-device comprehension
+            if f.f_code.co_name == "_run_block" and "eqn" in loc:
+                blocks.append((loc.get("i"), loc.get("eqn")))
+            elif f.f_code.co_name == "_run_loop" and "it" in loc:
+                its.append(loc["it"])
+            if isinstance(loc.get("d"), int):
                 device = loc["d"]
         tb = tb.tb_next
-    if not isinstance(eqn, Eqn):
-        index = eqn = None
-    return index, eqn, device
+    if not blocks or not isinstance(blocks[-1][1], Eqn):
+        return EngineSpot(device=device)
+    index, eqn = blocks[-1]
+    loops = tuple((int(b[0]), int(it)) for b, it in zip(blocks[:-1], its))
+    return EngineSpot(index, eqn, device, loops)
 
 
 def progress_path(progress_dir: str | os.PathLike, rank: int) -> Path:

@@ -60,7 +60,6 @@ from partir_emu.runtime.local_mesh import check_global_inputs
 from partir_emu.runtime.mpi_mesh import FAULT_ENV, FaultSpec, MpiMesh, wait_all
 from partir_emu.runtime.progress import (
     OpContext,
-    describe_op,
     device_str,
     encode_record,
     locate_in_engine,
@@ -168,7 +167,8 @@ class RankGuard:
         if ctx is None and self.mesh is not None:
             ctx = self.mesh.context
         if ctx is not None and ctx.eqn is not None:
-            rec.update(op=ctx.index, prim=ctx.eqn.prim, source=short_source(ctx.eqn.source), state=ctx.state)
+            rec.update(op=ctx.index, prim=ctx.eqn.prim, source=short_source(ctx.eqn.source), state=ctx.state,
+                       seq=ctx.seq, **({"loops": [list(f) for f in ctx.loops]} if ctx.loops else {}))
         if self.error:
             rec["error"] = self.error[:1000]
         if self.stopped_by:
@@ -181,9 +181,9 @@ class RankGuard:
     # failure -----------------------------------------------------------------------------------
     def where(self, exc: BaseException | None = None) -> str:
         if exc is not None:
-            index, eqn, device = locate_in_engine(exc)
-            if eqn is not None and eqn.prim not in COMM_PRIMS:
-                return f"{device_str([device] if device is not None else self.devices)} {describe_op(index, eqn)}"
+            spot = locate_in_engine(exc)
+            if spot.eqn is not None and spot.eqn.prim not in COMM_PRIMS:
+                return f"{device_str([spot.device] if spot.device is not None else self.devices)} {spot.describe()}"
         ctx = self.mesh.context if self.mesh is not None else None
         if ctx is not None and ctx.eqn is not None and self.phase == "step":
             return ctx.describe()

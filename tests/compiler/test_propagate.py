@@ -177,7 +177,17 @@ def test_reduce_sum_over_the_tiled_dim_is_partial_not_tiled():
     assert s("{}", st, r) and st.result_sharding(0).partial == ("a",) and st.conflicts == []
 
 
-@pytest.mark.parametrize("prim", ["reduce_max", "reduce_min"])
+@pytest.mark.parametrize("prim,op", [("reduce_max", "max"), ("reduce_min", "min")])
+def test_max_over_a_tiled_dim_is_a_pending_max(prim, op):
+    b = ProgramBuilder()
+    x = b.input("x", 8, 4)
+    r = b.reduce(prim, x, (0,))
+    st = state_after(b.build(r), A2, MP({"x": 0}, axis="a"))
+    res = st.result_sharding(0)
+    assert s("{}", st, r) and res.partial == ("a",) and res.partial_op == op and st.conflicts == []
+
+
+@pytest.mark.parametrize("prim", ["argmax", "reduce_prod"])
 def test_blocked_reduction_leaves_the_result_untiled_without_conflict(prim):
     b = ProgramBuilder()
     x = b.input("x", 8, 4)

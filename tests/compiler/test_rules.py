@@ -152,10 +152,16 @@ def test_reduce_sum_over_the_leading_dim():
     assert spell(r) == "abc->bc" and reduction(r) == "a"
 
 
-@pytest.mark.parametrize("prim", ["reduce_max", "reduce_min", "reduce_prod"])
+@pytest.mark.parametrize("prim", ["reduce_prod", "reduce_and"])
 def test_non_sum_reductions_block_the_reduced_dim(prim):
     r = rule(prim, [v(8, 4)], [(8,)], axes=(1,))
     assert spell(r) == "ab->a" and blocked(r) == "b" and not r.linear
+
+
+@pytest.mark.parametrize("prim,op", [("reduce_max", "max"), ("reduce_min", "min"), ("reduce_sum", "sum")])
+def test_max_min_and_sum_reduce_a_tileable_dim_by_their_op(prim, op):
+    r = rule(prim, [v(8, 4)], [(8,)], axes=(1,))
+    assert spell(r) == "ab->a" and blocked(r) == "" and r.reduce_op == op and r.linear == (op == "sum")
 
 
 @pytest.mark.parametrize("prim", ["argmax", "argmin"])
@@ -342,5 +348,6 @@ def test_scatter_add_batch_is_a_reduction_and_the_accumulator_takes_partials():
     r = rule("scatter-add", [v(4, 6), v(5, 1, dtype="int32"), v(5, 6)], [(4, 6)], dimension_numbers=SCATTER_DN,
              indices_are_sorted=False, unique_indices=False, mode="FILL_OR_DROP")
     assert spell(r) == "ab,cd,cb->ab"
-    assert reduction(r) == "cd" and blocked(r) == "ad"
+    # the scattered dim "a" is a row lookup: tileable (each device applies its block's updates)
+    assert reduction(r) == "cd" and blocked(r) == "d"
     assert r.partial_operands == (0,) and sizes(r)["c"] == 5

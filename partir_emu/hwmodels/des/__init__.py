@@ -4,7 +4,8 @@
 >>> rep.step_s, rep.top_links[0]
 
 Modules: :mod:`.model` (the simulation: wires the parts below), :mod:`.protocols` (what
-each part sees of the others), :mod:`.device` (op streams, SPMD symmetry),
+each part sees of the others), :mod:`.stream` (the op stream a device runs; loops run
+iteration by iteration), :mod:`.device` (devices running it, SPMD symmetry),
 :mod:`.collective` (schedules over all groups), :mod:`.network` (flow-level max-min),
 :mod:`.chunked` (store-and-forward), :mod:`.routing` (routes, degraded/failed links),
 :mod:`.trace_export` (Perfetto), :mod:`.validate` (analytical vs DES on given programs),

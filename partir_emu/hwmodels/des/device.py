@@ -2,23 +2,12 @@
 
 A device runs its SpmdProgram as a *compute stream* (compute equations in
 program order, each taking its roofline time from the analytical model's cost
-rules) and one or more *communication streams* (the collectives, in program
-order). The op stream is compiled once into a list of actions:
-
-``Compute(dur)``   a run of compute equations with nothing in between that talks to a collective
-``Ready(c)``       the input of collective ``c`` is computed: one of the prerequisites of its gate
-``Wait(c)``        the next equation reads the output of collective ``c`` (or the step ends)
-
-Without overlap a collective is ``Ready(c), Wait(c)`` at its place in the program
-(everything sequential, as ``analytical.simulate(overlap=False)``). With overlap
-the device runs the schedule the analytical model decided (:mod:`..overlap`, as a
-chip runs the order its compiler fixed): ``Ready(c)`` where the compute stream
-reaches ``ready_pos[c]`` (ZeRO-3 gathers: where the prefetch budget lets them go),
-``Wait(c)`` at its first real consumer, and the collectives in the schedule's
-issue order. A collective's **gate** opens for a device when all its prerequisites
-have fired there: its ``Ready``, the collectives that produce its input, and the
-collective ``comm_streams`` places earlier in issue order (a stream runs one
-collective at a time).
+rules) and one or more *communication streams* (the collectives). The op stream
+(:mod:`.stream`: ``Compute``, ``Ready``, ``Wait`` actions, loops run iteration by
+iteration) is compiled once. A collective's **gate** opens for a device when all
+its prerequisites have fired there: its ``Ready``, the collectives that produce its
+input, and the collective ``comm_streams`` places earlier in issue order (a stream
+runs one collective at a time).
 
 **SPMD symmetry.** Every device runs the same program with the same local shapes,
 so devices whose timelines are identical need not be simulated one by one: a
@@ -34,113 +23,16 @@ with ``merge_window_s=0``; see :class:`WaitPoint` for the merge window).
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import simpy
 
-from partir_emu.core.analysis import dependencies
-from partir_emu.core.ir import Program
 from partir_emu.hwmodels.des.protocols import CollectiveOpener, ComputeSink
-from partir_emu.hwmodels.overlap import OverlapPlan, Schedule
+from partir_emu.hwmodels.des.stream import COMPUTE, READY, WAIT, Action, OpStream, compile_stream
 
-COMPUTE, READY, WAIT = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: int
-    coll: int = -1            # READY / WAIT: collective position (0..C-1)
-    dur: float = 0.0          # COMPUTE: seconds on a device of speed factor 1
-    first: int = -1           # COMPUTE: equation range [first, last]
-    last: int = -1
-    name: str = ""            # COMPUTE: what dominates it (for the trace)
-
-
-@dataclass(frozen=True)
-class OpStream:
-    actions: tuple[Action, ...]
-    comm_eqns: tuple[int, ...]                 # equation index of collective c
-    prereqs: tuple[tuple[int, ...], ...]       # per collective: collectives its gate waits for
-
-
-def compile_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, overlap: bool,
-                   comm_streams: int = 1, plan: OverlapPlan | None = None, sched: Schedule | None = None
-                   ) -> OpStream:
-    """The actions of one device's op stream (see the module docstring); with overlap, ``plan`` and
-    ``sched`` are the overlap schedule's decisions (:func:`..overlap.schedule` on the same program)."""
-    if overlap:
-        if plan is None or sched is None:
-            raise ValueError("compile_stream(overlap=True) needs the overlap plan and schedule")
-        return _overlap_stream(program, is_comm, times, comm_streams, plan, sched)
-    comm_eqns = tuple(int(i) for i in np.flatnonzero(is_comm))
-    cpos = {e: c for c, e in enumerate(comm_eqns)}
-    deps = dependencies(program)
-    prereqs = []
-    for c, e in enumerate(comm_eqns):          # the collectives producing c's input, and c's stream predecessor
-        pre = {cpos[j] for j in deps[e] if j in cpos}
-        if c >= comm_streams:
-            pre.add(c - comm_streams)
-        prereqs.append(tuple(sorted(pre)))
-    acts, run, flush = _compute_runs(program, times)
-    for i in range(len(program.eqns)):
-        if i in cpos:
-            flush()
-            acts += [Action(READY, cpos[i]), Action(WAIT, cpos[i])]
-        else:
-            run.append(i)
-    flush()
-    return OpStream(tuple(acts), comm_eqns, tuple(prereqs))
-
-
-def _compute_runs(program: Program, times: np.ndarray) -> tuple[list[Action], list[int], object]:
-    """An action list, a run of pending compute equations and the ``flush`` that turns it into one
-    ``Compute`` action (what dominates it names it in the trace)."""
-    eqns = program.eqns
-    acts: list[Action] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        if run:
-            ts = times[run]
-            name = eqns[run[int(np.argmax(ts))]].prim
-            acts.append(Action(COMPUTE, dur=float(ts.sum()), first=run[0], last=run[-1],
-                               name=name if len(run) == 1 else f"{name}+{len(run) - 1}"))
-            run.clear()
-    return acts, run, flush
-
-
-def _overlap_stream(program: Program, is_comm: np.ndarray, times: np.ndarray, comm_streams: int,
-                    plan: OverlapPlan, sched: Schedule) -> OpStream:
-    """The op stream of the overlap schedule: Ready where the compute stream reaches ``ready_pos``,
-    Wait at the first real consumer, collectives gated by their producers and by the one
-    ``comm_streams`` places earlier in the schedule's issue order."""
-    n = len(program.eqns)
-    C = len(plan.comm_eqns)
-    prereqs = [set(p) for p in plan.coll_prods]
-    for rank, c in enumerate(sched.order):
-        if rank >= comm_streams:
-            prereqs[c].add(sched.order[rank - comm_streams])
-    readies: dict[int, list[int]] = {}
-    for c in sched.order:
-        readies.setdefault(sched.ready_pos[c], []).append(c)
-    waits: dict[int, list[int]] = {}
-    for c, w in enumerate(plan.wait_pos):
-        waits.setdefault(w, []).append(c)
-    acts, run, flush = _compute_runs(program, times)
-    comm = is_comm.tolist()
-    for i in range(n + 1):
-        if i in readies or i in waits:
-            flush()
-            acts += [Action(READY, c) for c in readies.get(i, ())]
-            acts += [Action(WAIT, c) for c in waits.get(i, ())]
-        if i < n and not comm[i]:
-            run.append(i)
-    flush()
-    assert sum(a.kind == WAIT for a in acts) == C
-    return OpStream(tuple(acts), tuple(int(e) for e in plan.comm_eqns), tuple(tuple(sorted(p)) for p in prereqs))
-
+__all__ = ["COMPUTE", "READY", "WAIT", "Action", "Devices", "Gate", "OpStream", "WaitPoint", "Walker",
+           "compile_stream"]
 
 class Devices:
     """The device side of one simulated step: the op stream, a :class:`Gate` per collective, a

@@ -31,18 +31,18 @@ import numpy as np
 import simpy
 
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer, compute_times
+from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des.chunked import ChunkNetwork
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, StepPlan, make_groups, step_plans
-from partir_emu.hwmodels.des.device import Devices, OpStream, compile_stream
+from partir_emu.hwmodels.des.device import Devices
 from partir_emu.hwmodels.des.network import FlowNetwork
 from partir_emu.hwmodels.des.progress import Progress
 from partir_emu.hwmodels.des.protocols import Network
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
 from partir_emu.hwmodels.des.routing import DesError, Router, link_factors
+from partir_emu.hwmodels.des.stream import OpStream, compile_stream
 from partir_emu.hwmodels.des.trace_export import Recorder, write_chrome_trace
-from partir_emu.hwmodels.overlap import schedule
 from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.specs import HardwareSpec
 
@@ -126,23 +126,14 @@ class Simulation:
         topo = placement.topology
         factors = link_factors(topo, options.degraded_links, options.failed_links)
         self.router = Router(topo, factors)
-        pc = analyzer.analysis(spmd.program)
-        self.times = compute_times(pc, spec)
-        self.comm = pc.comm                                     # (index, prim, axes, nbytes, dtype, perm)
-        C = len(self.comm)
         self.comm_model = CommModel(placement, algorithms, analyzer.prices)
-        plan = sched = None
-        if overlap:
-            # the device runs the order the analytical model's scheduler fixed (as a chip runs its
-            # compiler's schedule), priced with the same collective costs
-            plan = analyzer.overlap_plan(spmd.program)
-            full = self.times.copy()
-            if C:
-                keyed = np.array([self.comm_model.cost(*k).time_s for k in pc.comm_keys])
-                full[pc.comm_index] = keyed[pc.comm_inverse]
-            sched = schedule(plan, full, prefetch_bytes)
-        self.stream: OpStream = compile_stream(spmd.program, pc.is_comm, self.times, overlap, options.comm_streams,
-                                               plan, sched)
+        # the device runs the times and (with overlap) the order the analytical model's scheduler fixed
+        # (as a chip runs its compiler's schedule), priced with the same collective costs; loops are
+        # run iteration by iteration (.stream)
+        priced = analyzer.price(spmd.program, spec, self.comm_model, overlap, prefetch_bytes)
+        self.stream: OpStream = compile_stream(priced, overlap, options.comm_streams)
+        self.comm = self.stream.comm            # per collective instance: (index, prim, axes, nbytes, dtype, perm)
+        C = len(self.comm)
         self.factor = np.ones(n)
         for d, f in options.stragglers.items():
             self.factor[d] = f
@@ -242,7 +233,7 @@ class Simulation:
         step = self.step_s
         rows = []
         comm0 = 0.0
-        for run in self.runs:
+        for run, at in zip(self.runs, self.stream.at):
             assert run is not None
             m0 = int(run.groups.member_of_device[0])
             t0, t1 = float(run.t_start[m0]), float(run.t_end[m0])
@@ -250,7 +241,7 @@ class Simulation:
             dur = float(np.max(run.t_end - run.t_start))
             rows.append(DesCollectiveRow(run.index, run.prim, run.axes, run.nbytes, run.groups.p, run.algorithm,
                                          run.num_steps, t0, t1, dur, run.max_flows, run.max_own, run.group_max,
-                                         str(topo.links[run.worst_link]) if run.worst_link >= 0 else ""))
+                                         str(topo.links[run.worst_link]) if run.worst_link >= 0 else "", at))
         compute0 = float(sum(a.dur for a in self.stream.actions if a.kind == 0)) * float(self.factor[0])
         net = self.network
         bw = self.router.bw

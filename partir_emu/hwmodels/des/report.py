@@ -25,6 +25,7 @@ class DesCollectiveRow:
     own_link_flows: int          # most flows of this collective (all groups) on one link
     group_link_flows: int        # most messages of one group on one link (all the analytical model sees)
     worst_link: str
+    at: tuple[int, ...] = ()     # in a loop body: (loop equation, iteration) per enclosing loop (``index``: in the body)
 
     @property
     def contention(self) -> str:
@@ -39,6 +40,7 @@ class DesCollectiveRow:
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["axes"] = list(self.axes)
+        d["at"] = list(self.at)
         d["contention"] = self.contention
         return d
 

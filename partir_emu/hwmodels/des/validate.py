@@ -116,10 +116,10 @@ def explain(ana: SimReport, des: DesReport, threshold: float = 0.005) -> tuple[s
     the collectives that take longer in the DES, grouped by cause, largest excess first."""
     if des.step_s <= ana.step_s * (1 + threshold):
         return "", {}
-    by_index = {r.index: r for r in ana.collectives}
+    by_index = {(r.at, r.index): r for r in ana.collectives}
     causes: dict[tuple, list[float]] = {}
     for r in des.collectives:
-        a = by_index.get(r.index)
+        a = by_index.get((r.at, r.index))
         if a is None:
             continue
         extra = r.duration_s - a.time_s
