@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler import api as compiler_api
+from partir_emu.compiler.auto_space import Price
 from partir_emu.compiler.tactics import AutomaticPartition, CostModel, Tactic
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError
-from partir_emu.hwmodels.analytical import simulate
+from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.specs import load_spec
 from partir_emu.runtime.local_mesh import LocalMesh
 
@@ -45,15 +46,23 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
     return trace_jaxpr(fn, *args, arg_names=arg_names)
 
 
-def analytical_cost(tactic: AutomaticPartition) -> Callable[[SpmdProgram], float]:
-    """The default cost model: the analytical step time on ``tactic.hardware``, stretched by the
-    fraction by which peak memory overflows HBM (so a search trades communication for memory)."""
+def analytical_cost(tactic: AutomaticPartition) -> Callable[[SpmdProgram], Price]:
+    """The default cost model: the analytical step time on ``tactic.hardware`` (no overlap, so the
+    step is compute + communication), the peak memory against the chip's HBM (the search's memory
+    limit unless the tactic sets one), and the time and count of each collective kind per axes
+    (the report's "why"). One Analyzer per search keeps placements and prices between candidates."""
     spec = load_spec(tactic.hardware)
+    analyzer = Analyzer(max_programs=1)      # each candidate is a new program: keep only the last
 
-    def cost(spmd: SpmdProgram) -> float:
-        rep = simulate(spmd, spec)
-        over = max(0, rep.peak_bytes_per_device - rep.hbm_bytes)
-        return rep.step_s * (1.0 + over / max(rep.hbm_bytes, 1))
+    def cost(spmd: SpmdProgram) -> Price:
+        rep = simulate(spmd, spec, analyzer=analyzer)
+        parts: dict[str, float] = {"compute": rep.compute_s}
+        counts: dict[str, int] = {}
+        for r in rep.collectives:
+            k = f"{r.prim} over {','.join(r.axes)}"
+            parts[k] = parts.get(k, 0.0) + r.time_s
+            counts[k] = counts.get(k, 0) + 1
+        return Price(rep.step_s, rep.peak_bytes_per_device, rep.hbm_bytes, parts, counts)
     return cost
 
 
@@ -79,7 +88,7 @@ def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
                   cost_model: CostModel | None = analytical_cost) -> Lowered:
     """:func:`partir_emu.compiler.api.lower_program` with the analytical cost model by default."""
     low = compiler_api.lower_program(program, mesh, schedule, state_outputs, cost_model)
-    return Lowered(low.program, low.schedule, low.final_state, low.spmd, low.cost_model)
+    return Lowered(low.program, low.schedule, low.final_state, low.spmd, low.cost_model, low.state_outputs)
 
 
 BACKENDS = ("local", "mpi")

@@ -92,6 +92,8 @@ def cmd_show(args) -> int:
     print(low.spmd)
     print()
     print(low.stats())
+    for label, res in low.final_state.auto_results:     # what each AutomaticPartition chose and why
+        print("\n" + res.report(label))
     if args.output:
         with atomic_path(args.output) as tmp:
             low.spmd.save(tmp)

@@ -130,6 +130,8 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
         "mesh": dict(exp.mesh.axes), "devices": exp.mesh.size, "hardware": spec.name, "hardware_path": spec.path,
         "algorithm": algorithms, "equations": len(low.spmd.program.eqns),
         "lower_s": t1 - t0, "simulate_s": t2 - t1,
+        # what each AutomaticPartition chose and why (compiler.auto.SearchResult)
+        "auto": [dict(res.to_json(), label=label, text=res.report(label)) for label, res in low.final_state.auto_results],
     })
     return rep, sim
 
@@ -141,6 +143,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}  "
           f"[{rep['preset']}: {size}; {rep['params']:,} params]")
     print(sim.table(top=args.top))
+    for auto in rep["auto"]:
+        print("\n" + auto["text"])
     print(f"\nMFU {_util(sim.mfu)}   HFU {_util(sim.hfu)}   ({rep['equations']} equations; lowered in "
           f"{rep['lower_s']:.2f} s, simulated in {1e3 * rep['simulate_s']:.1f} ms)")
     if args.report:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from partir_emu.compiler.auto import apply_automatic
 from partir_emu.compiler.lower import lower
@@ -24,17 +25,26 @@ from partir_emu.errors import MeshError
 
 
 def partition(program: Program, mesh: Mesh, schedule: Sequence[Tactic], keep_states: bool = True,
-              cost_model: CostModel | None = None) -> list[ShardingState]:
+              cost_model: CostModel | None = None,
+              state_outputs: dict[str, str] | None = None, replay: Sequence[Any] = ()) -> list[ShardingState]:
     """Apply the tactics in order; return the state before any tactic and after each one
     (only the final state with ``keep_states=False``). ``cost_model`` prices the
-    AutomaticPartitions that carry no ``cost`` of their own."""
+    AutomaticPartitions that carry no ``cost`` of their own; they lower their candidates with
+    ``state_outputs``, as the final lowering will; with ``replay`` (the ``auto_results`` of an earlier
+    partition of the same schedule) they apply those results instead of searching again (a search
+    cut short by its time budget need not repeat itself)."""
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a partir_emu.Mesh, got {type(mesh).__name__}")
     state = ShardingState.initial(program, mesh)
     states = [state.copy()] if keep_states else []
+    done = iter(replay)
     for k, t in enumerate(schedule):
-        if isinstance(t, AutomaticPartition):
-            apply_automatic(state, t, k, cost_model)
+        if isinstance(t, AutomaticPartition) and replay:
+            apply_automatic(state, t, k, recorded=next(done)[1])
+        elif isinstance(t, AutomaticPartition):
+            # each candidate is priced after the manual tactics that follow it (compiler.auto)
+            later = [u for u in schedule[k + 1:] if not isinstance(u, AutomaticPartition)]
+            apply_automatic(state, t, k, cost_model, later, state_outputs)
         else:
             apply_tactic(state, t, k)
         if keep_states:
@@ -49,6 +59,7 @@ class Lowered:
     final_state: ShardingState
     spmd: SpmdProgram
     cost_model: CostModel | None = None
+    state_outputs: dict[str, str] | None = None
 
     def stats(self) -> CollectiveStats:
         return self.spmd.stats()
@@ -57,7 +68,8 @@ class Lowered:
     def states(self) -> list[ShardingState]:
         """[before any tactic, after tactic 1, ...]: replayed on demand (partitioning is
         deterministic), so lowering does not pay for snapshots nobody reads."""
-        return partition(self.program, self.spmd.mesh, self.schedule, keep_states=True, cost_model=self.cost_model)
+        return partition(self.program, self.spmd.mesh, self.schedule, keep_states=True, cost_model=self.cost_model,
+                         state_outputs=self.state_outputs, replay=self.final_state.auto_results)
 
     def state_after(self, k: int) -> ShardingState:
         return self.states[k]
@@ -76,5 +88,5 @@ def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
                   state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = None) -> Lowered:
     """Partition ``program`` with ``schedule`` and lower the final state (see ``lower.lower`` for
     ``state_outputs``)."""
-    (state,) = partition(program, mesh, schedule, keep_states=False, cost_model=cost_model)
-    return Lowered(program, list(schedule), state, lower(state, state_outputs), cost_model)
+    (state,) = partition(program, mesh, schedule, keep_states=False, cost_model=cost_model, state_outputs=state_outputs)
+    return Lowered(program, list(schedule), state, lower(state, state_outputs), cost_model, state_outputs)

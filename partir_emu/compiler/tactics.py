@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import TacticError
@@ -74,14 +75,21 @@ class ManualPartition:
 class AutomaticPartition:
     """Search the decisions a ManualPartition on ``axis`` would make for the ``inputs`` patterns
     (see :mod:`partir_emu.compiler.auto`), pricing each candidate with ``cost``, or else with the
-    cost model the caller of ``partition``/``lower_program`` passes."""
+    cost model the caller of ``partition``/``lower_program`` passes. The search stops after
+    ``budget`` evaluations or ``seconds``; ``rollouts`` random completions are priced per new node
+    besides the node itself, drawn from ``seed``; ``memory_limit`` is bytes per device (None: the
+    cost model's capacity, e.g. the chip's HBM, when it reports one)."""
 
     axis: str
     inputs: str | Sequence[str] = "params/*"
     name: str = ""
     hardware: str = "tpu-v4"          # read by the caller's cost model, not by the compiler
-    passes: int = 2
-    cost: Callable[[SpmdProgram], float] | None = None
+    budget: int = 48
+    seconds: float = 40.0
+    seed: int = 0
+    rollouts: int = 0
+    memory_limit: int | None = None
+    cost: Callable[[SpmdProgram], Any] | None = None    # -> float or compiler.auto.Price
 
     def describe(self) -> str:
         return self.name or f"AutomaticPartition(axis={self.axis!r}, inputs={self.inputs!r})"
@@ -90,4 +98,4 @@ class AutomaticPartition:
 Tactic = ManualPartition | AutomaticPartition
 
 # how a caller prices the candidates of an AutomaticPartition that has no ``cost`` of its own
-CostModel = Callable[[AutomaticPartition], Callable[[SpmdProgram], float]]
+CostModel = Callable[[AutomaticPartition], Callable[[SpmdProgram], Any]]   # -> float or auto.Price
