@@ -14,12 +14,12 @@ from scenarios.common import (
     Scenario,
     adam_init,
     adam_update,
-    data_axes,
     get_scenario,
     input_names,
     list_scenarios,
     resolve_size,
 )
+from scenarios.strategies import data_axes
 
 __all__ = ["Scenario", "ParamKind", "get_scenario", "list_scenarios", "resolve_size", "adam_init", "adam_update",
            "input_names", "data_axes"]

@@ -1,5 +1,5 @@
 """What every scenario shares: the ``Scenario`` record, sizes, Adam, input
-naming, the strategy builder and the registry.
+naming and the registry (the strategy builder is :mod:`scenarios.strategies`).
 
 A scenario's step is ``step(params, opt, batch) -> (loss, new_params, new_opt)``
 with ``params``, ``opt`` and ``batch`` nested dicts of arrays. The compiler
@@ -8,10 +8,15 @@ names inputs by pytree path with the argument name first, e.g.
 ``batch/tokens`` (see :func:`input_names`). Strategies are written against
 those names with shell globs (``*`` also matches ``/``).
 
+A scenario whose step is not a training step names its own state argument: an inference
+step is ``step(params, cache, batch) -> (logits, new_cache)`` (``Scenario.state_name``,
+``state_shapes``, ``make_state``, ``state_outputs``; ``training=False``: no ``grads_only``, so
+strict mode checks the step itself elementwise).
+
 Strategies are functions ``strategy(mesh, cfg=None) -> list[ManualPartition]``.
 Data axes are every mesh axis except ``model``, in mesh order; the model axis
 is ``model``. Without ``cfg`` the dims are the static defaults documented in
-:func:`build_strategy`; with ``cfg`` they are checked against the real shapes
+:func:`scenarios.strategies.build_strategy`; with ``cfg`` they are checked against the real shapes
 (and a ZeRO dim that does not divide falls back deterministically).
 """
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPartition
+from partir_emu.compiler.tactics import ManualPartition
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 
@@ -43,12 +48,16 @@ class ParamKind:
 
     ``pattern`` is a glob below ``params/`` (and below ``opt/mu/``, ``opt/nu/``);
     ``mp_dim`` is the dim Megatron tensor parallelism shards on the ``model``
-    axis (``None``: replicated on ``model``).
+    axis (``None``: replicated on ``model``). ``stacked``: dim 0 stacks the
+    layers of a model written as a loop over layers (``lax.scan``); it is the
+    iteration dim, which ZeRO never shards (each layer's slice is sharded instead).
     """
 
     pattern: str
     rank: int
     mp_dim: int | None = None
+    stacked: bool = False
+    emb_dim: int | None = None      # the vocabulary dim of an embedding/unembedding table (``emb``)
 
 
 # (cfg or None for the static defaults, size of the model axis or 1) -> the kinds of that config
@@ -81,37 +90,72 @@ class Scenario:
     complete_config: Callable[[Config], Config] | None = None
     # the parameter kinds of a config on a model axis of that size, when they depend on it
     param_kinds_for: KindsFn | None = None
+    # -- the step's state, its second argument ------------------------------------------------
+    # training: Adam's ``opt`` (mu and nu shaped like the parameters, and a count); inference: a KV
+    # ``cache``. ``state_shapes``: cfg -> nested dict of (shape, dtype), None for Adam's;
+    # ``make_state``: (cfg, params, rng) -> numpy state, None for ``adam_init(params)``.
+    state_name: str = "opt"
+    state_shapes: Callable[[Config], dict] | None = None
+    make_state: Callable[[Config, dict, np.random.Generator], dict] | None = None
+    # output prefix -> the input prefix whose layout it keeps (the next step consumes it)
+    state_outputs: Mapping[str, str] = field(default_factory=lambda: dict(STATE_OUTPUTS))
+    # a training step: ``make_step`` takes ``grads_only`` (strict mode stops before the optimizer)
+    training: bool = True
+    # cfg -> the parameters' dtype (None: float32, the master weights of a training step;
+    # inference serves bfloat16 weights); ``make_params`` returns that dtype
+    param_dtype: Callable[[Config], Any] | None = None
+
+    @property
+    def arg_names(self) -> tuple[str, str, str]:
+        """The step's argument names, which prefix its input names: params, the state, batch."""
+        return ("params", self.state_name, "batch")
+
+    def build_step(self, cfg: Config, *, strict: bool = False) -> Callable:
+        """The step of ``cfg``; ``strict`` stops a training step before the optimizer (a
+        non-training step is the same step: strict mode then only tightens the verdict)."""
+        return self.make_step(cfg, grads_only=strict) if self.training else self.make_step(cfg)
+
+    def state_layout(self, cfg: Config) -> dict:
+        """The state as a nested dict of ``(shape, dtype)`` (numpy only, nothing allocated)."""
+        if self.state_shapes is not None:
+            return self.state_shapes(cfg)
+        moments = _map_shapes(self.param_shapes(cfg), lambda s: (tuple(s), np.float32))
+        return {"mu": moments, "nu": dict(moments), "count": ((), np.int32)}
+
+    def state_bytes(self, cfg: Config) -> int:
+        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in _leaves(self.state_layout(cfg)))
 
     # -- inputs ----------------------------------------------------------------------------
     def make_inputs(self, cfg: Config, seed: int = 0) -> tuple[dict, dict, dict]:
-        """Real ``(params, opt, batch)`` as numpy pytrees (float32 / int32)."""
+        """Real ``(params, state, batch)`` as numpy pytrees (float32 / int32); the state is Adam's
+        ``opt`` unless the scenario has its own (``make_state``)."""
         rng = np.random.default_rng(seed)
         params = self.make_params(cfg, rng)
-        return params, adam_init(params), self.make_batch(cfg, rng)
+        state = adam_init(params) if self.make_state is None else self.make_state(cfg, params, rng)
+        return params, state, self.make_batch(cfg, rng)
 
     def abstract_inputs(self, cfg: Config) -> tuple[dict, dict, dict]:
-        """``(params, opt, batch)`` as ``jax.ShapeDtypeStruct`` pytrees (nothing allocated)."""
+        """``(params, state, batch)`` as ``jax.ShapeDtypeStruct`` pytrees (nothing allocated)."""
         import jax
 
         def sds(shape, dtype=np.float32):
             return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
 
-        params = _map_shapes(self.param_shapes(cfg), sds)
-        opt = {"mu": _map_shapes(self.param_shapes(cfg), sds),
-               "nu": _map_shapes(self.param_shapes(cfg), sds),
-               "count": sds((), np.int32)}
+        pdtype = np.float32 if self.param_dtype is None else self.param_dtype(cfg)
+        params = _map_shapes(self.param_shapes(cfg), lambda s: sds(s, pdtype))
+        state = _map_leaves(self.state_layout(cfg), lambda sd: sds(*sd))
         batch = _map_leaves(self.batch_shapes(cfg), lambda sd: sds(*sd))
-        return params, opt, batch
+        return params, state, batch
 
     def input_names(self, cfg: Config) -> list[str]:
-        return input_names(*self.abstract_inputs(cfg))
+        return input_names(*self.abstract_inputs(cfg), arg_names=self.arg_names)
 
     def input_shapes(self, cfg: Config) -> dict[str, tuple[int, ...]]:
         """Input name -> global shape, in flattening order."""
         import jax
 
         out = {}
-        for arg, tree in zip(ARG_NAMES, self.abstract_inputs(cfg)):
+        for arg, tree in zip(self.arg_names, self.abstract_inputs(cfg)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
                 out[_path_name(arg, path)] = tuple(leaf.shape)
         return out
@@ -135,6 +179,10 @@ def _map_leaves(tree: dict, fn: Callable) -> dict:
     return {k: (_map_leaves(v, fn) if isinstance(v, dict) else fn(v)) for k, v in tree.items()}
 
 
+def _leaves(tree: dict) -> list:
+    return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
+
+
 def _path_name(arg: str, path: Sequence[Any]) -> str:
     parts = [arg]
     for k in path:
@@ -147,13 +195,14 @@ def _path_name(arg: str, path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
-def input_names(params: Any, opt: Any, batch: Any) -> list[str]:
+def input_names(params: Any, opt: Any, batch: Any, *, arg_names: Sequence[str] = ARG_NAMES) -> list[str]:
     """Input names the compiler gives the step's flattened arguments:
-    argument name, then the pytree path joined by ``/``."""
+    argument name (``arg_names``: a scenario's are ``Scenario.arg_names``), then the pytree path
+    joined by ``/``."""
     import jax
 
     names = []
-    for arg, tree in zip(ARG_NAMES, (params, opt, batch)):
+    for arg, tree in zip(arg_names, (params, opt, batch)):
         names += [_path_name(arg, p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     return names
 
@@ -250,6 +299,22 @@ def _as_positive_int(raw: Any) -> int | None:
 
 # -- Adam, by hand ---------------------------------------------------------------------------------
 
+def init_params(shapes: dict, rng: np.random.Generator) -> dict:
+    """Parameters for a nested dict of shapes: leaves named ``scale`` are ones, other vectors
+    (biases, norm biases) zeros, matrices and kernels ~ N(0, 1/fan_in) with fan_in the product of
+    all dims but the last (a matrix's rows, a conv kernel's window × input channels)."""
+    def init(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name == "scale":
+            return np.ones(shape, np.float32)
+        if len(shape) == 1:
+            return np.zeros(shape, np.float32)
+        return (rng.standard_normal(shape) / math.sqrt(math.prod(shape[:-1]))).astype(np.float32)
+
+    def walk(tree: dict) -> dict:
+        return {k: walk(v) if isinstance(v, dict) else init(k, tuple(v)) for k, v in tree.items()}
+    return walk(shapes)
+
+
 def adam_init(params: Any) -> dict:
     """``{"mu": zeros like params, "nu": zeros like params, "count": int32 0}``.
 
@@ -309,181 +374,14 @@ def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: f
 STATE_OUTPUTS = {"1": "params", "2": "opt"}
 
 
-def data_axes(mesh: Mesh) -> list[str]:
-    return [a for a in mesh.axis_names if a != MODEL_AXIS]
-
-
-def _check_mesh(mesh: Mesh, strategy: str, *, need_data: bool, need_model: bool) -> None:
-    if not isinstance(mesh, Mesh):
-        raise ScenarioError(f"strategy {strategy!r} takes a partir_emu Mesh, got {mesh!r}")
-    if need_model and MODEL_AXIS not in mesh.axis_names:
-        raise ScenarioError(f"strategy {strategy!r} needs mesh axis {MODEL_AXIS!r}, which {mesh} lacks; "
-                            f"add it, e.g. --mesh batch=2,{MODEL_AXIS}=2")
-    if need_data and not data_axes(mesh):
-        raise ScenarioError(f"strategy {strategy!r} needs a data axis (any mesh axis other than "
-                            f"{MODEL_AXIS!r}), which {mesh} lacks; add one, e.g. --mesh batch=2,{MODEL_AXIS}=2")
-
-
-def _kind_shapes(scenario_param_shapes: dict, kinds: Sequence[ParamKind]) -> dict[str, list[tuple[int, ...]]]:
-    """The distinct shapes each kind has in a config (usually one; e.g. an MLP's last block differs)."""
-    import fnmatch
-
-    flat: dict[str, tuple[int, ...]] = {}
-
-    def walk(tree, prefix):
-        for k, v in tree.items():
-            name = f"{prefix}/{k}" if prefix else k
-            if isinstance(v, dict):
-                walk(v, name)
-            else:
-                flat[name] = tuple(v)
-
-    walk(scenario_param_shapes, "")
-    out = {}
-    for kind in kinds:
-        shapes = sorted({s for n, s in flat.items() if fnmatch.fnmatchcase(n, kind.pattern)})
-        if not shapes or any(len(s) != kind.rank for s in shapes):
-            raise ScenarioError(f"parameter kind {kind.pattern!r} of rank {kind.rank} matches shapes {shapes}")
-        out[kind.pattern] = shapes
-    return out
-
-
-def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence[ParamKind] | KindsFn,
-                   param_shapes: Callable[[Config], dict], batch_patterns: Sequence[str] = ("batch/*",),
-                   batch_size: Callable[[Config], int] = lambda c: c["batch"],
-                   check_mp: Callable[[Config, int], None] | None = None) -> list[ManualPartition]:
-    """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``z2``, ``z3`` joined by ``+``.
-
-    Tactic order: bp (one per data axis), then mp (on ``model``), then z2/z3
-    (one per data axis).
-
-    - ``bp``: ``batch/*`` dim 0 on each data axis.
-    - ``mp``: each kind with an ``mp_dim`` (column-parallel weights dim 1,
-      their biases dim 0, row-parallel weights dim 0), its ``mu``/``nu`` alike.
-    - ``z3``: every parameter and its ``mu``/``nu`` on each data axis; ``z2``:
-      only ``mu``/``nu``. Default dim 0, except a matrix already sharded on
-      ``model`` uses its other dim (a 1-D vector stacks the data axis after
-      ``model`` on dim 0). With ``cfg``, a dim whose size is not divisible by
-      the product of the axes on it falls back to the largest divisible dim
-      (lowest index on ties, never the model dim of a matrix); a parameter with
-      no such dim stays replicated on that axis. Scalars are never sharded.
-
-    ``kinds`` may be a function ``(cfg, model axis size) -> kinds`` when which parameters exist,
-    and which of them Megatron shards, depend on the config (``cfg=None``: the static defaults).
-    """
-    parts = name.split("+")
-    unknown = [p for p in parts if p not in ("bp", "mp", "z2", "z3", "auto")]
-    if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
-            or ("auto" in parts and "mp" in parts):
-        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp (or auto), z2, z3")
-    use_mp = "mp" in parts
-    use_auto = "auto" in parts
-    zero = "z3" if "z3" in parts else "z2" if "z2" in parts else None
-    use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
-    _check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_auto)
-    daxes = data_axes(mesh)
-    if callable(kinds):
-        kinds = tuple(kinds(cfg, mesh.axis_size(MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1))
-    shapes = _kind_shapes(param_shapes(cfg), kinds) if cfg is not None else None
-    tactics: list[ManualPartition] = []
-
-    if use_bp:
-        if cfg is not None:
-            group = mesh.group_size(daxes)
-            if batch_size(cfg) % group:
-                raise ScenarioError(f"strategy {name!r}: batch {batch_size(cfg)} is not divisible by the data "
-                                    f"axes {daxes} of {mesh} (product {group}); change --set batch=...")
-        for ax in daxes:
-            tactics.append(ManualPartition({p: 0 for p in batch_patterns}, axis=ax, name=f"bp:{ax}"))
-
-    # how many devices already tile each dim of each kind
-    tiled: dict[str, dict[int, int]] = {k.pattern: {} for k in kinds}
-    if use_mp:
-        msize = mesh.axis_size(MODEL_AXIS)
-        if cfg is not None and check_mp is not None:
-            check_mp(cfg, msize)
-        inputs: dict[str, int] = {}
-        for k in kinds:
-            if k.mp_dim is None:
-                continue
-            bad = [s for s in (shapes[k.pattern] if shapes else []) if s[k.mp_dim] % msize]
-            if bad:
-                raise ScenarioError(f"strategy {name!r}: dim {k.mp_dim} of params/{k.pattern} "
-                                    f"(shape {bad[0]}) is not divisible by axis {MODEL_AXIS!r} of size {msize}; "
-                                    "change the sizes or the mesh")
-            inputs[f"params/{k.pattern}"] = k.mp_dim
-            inputs[f"opt/*/{k.pattern}"] = k.mp_dim
-            tiled[k.pattern][k.mp_dim] = msize
-        tactics.append(ManualPartition(inputs, axis=MODEL_AXIS, name=f"mp:{MODEL_AXIS}"))
-    if use_auto:
-        # the model axis searched instead of written: the caller's cost model prices each choice
-        # (partir_emu.api passes the analytical model, on this tactic's hardware)
-        tactics.append(AutomaticPartition(MODEL_AXIS, inputs="params/*", name=f"auto:{MODEL_AXIS}",
-                                          hardware="tpu-v4"))
-
-    if zero is not None:
-        for ax in daxes:
-            size = mesh.axis_size(ax)
-            inputs = {}
-            for k in kinds:
-                if k.rank == 0:
-                    continue
-                d = _zero_dim(k, use_mp, size, tiled[k.pattern], shapes[k.pattern] if shapes else None)
-                if d is None:
-                    continue
-                tiled[k.pattern][d] = tiled[k.pattern].get(d, 1) * size
-                if zero == "z3":
-                    inputs[f"params/{k.pattern}"] = d
-                inputs[f"opt/*/{k.pattern}"] = d
-            if zero == "z2":
-                # ZeRO-2 keeps parameters replicated: without the pin, propagation would carry
-                # the optimizer-state tiling backward through the update into the parameters.
-                inputs["params/*"] = REPLICATED
-            if inputs:
-                tactics.append(ManualPartition(inputs, axis=ax, name=f"{zero}:{ax}"))
-    return tactics
-
-
-def _zero_dim(kind: ParamKind, use_mp: bool, size: int, tiled: dict[int, int],
-              shapes: list[tuple[int, ...]] | None) -> int | None:
-    model_dim = kind.mp_dim if (use_mp and kind.rank >= 2) else None
-    default = 0
-    if model_dim is not None:
-        default = next(d for d in range(kind.rank) if d != model_dim)
-    if shapes is None:
-        return default
-    fits = lambda d: all(s[d] % (tiled.get(d, 1) * size) == 0 for s in shapes)
-    if fits(default):
-        return default
-    candidates = [d for d in range(kind.rank) if d != model_dim and fits(d)]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda d: (-min(s[d] for s in shapes), d))
-
-
-STRATEGY_NAMES = ("bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z2", "bp+mp+z3", "bp+auto")
-
-
-def make_strategies(kinds: Sequence[ParamKind] | KindsFn, param_shapes: Callable[[Config], dict], *,
-                    check_mp: Callable[[Config, int], None] | None = None,
-                    names: Sequence[str] = STRATEGY_NAMES) -> dict[str, Strategy]:
-    """``{name: strategy(mesh, cfg=None) -> list[ManualPartition]}`` for the standard names."""
-
-    def make(n: str) -> Strategy:
-        def strategy(mesh: Mesh, cfg: Config | None = None) -> list[ManualPartition]:
-            return build_strategy(n, mesh, cfg, kinds=kinds, param_shapes=param_shapes, check_mp=check_mp)
-        strategy.__name__ = strategy.__qualname__ = f"strategy_{n.replace('+', '_')}"
-        strategy.__doc__ = f"Strategy {n!r}: see scenarios.common.build_strategy."
-        return strategy
-
-    return {n: make(n) for n in names}
-
-
 # -- registry --------------------------------------------------------------------------------------
 
 _MODULES = {
     "mlp": "scenarios.mlp",
     "transformer": "scenarios.transformer",
+    "inference": "scenarios.inference",
+    "unet": "scenarios.unet",
+    "gns": "scenarios.gns",
 }
 
 

@@ -30,7 +30,8 @@ import math
 
 import numpy as np
 
-from scenarios.common import Config, ParamKind, Scenario, make_strategies, train_step
+from scenarios.common import Config, ParamKind, Scenario, train_step
+from scenarios.strategies import make_strategies
 
 SIZE_NAMES = ("batch", "d_in", "hidden", "d_out", "layers")
 

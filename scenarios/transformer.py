@@ -35,6 +35,10 @@ kv_heads       int (heads)                 K key/value heads: 1 multi-query, < H
 d_ff           int                         MLP width f
 layers, vocab  int                         L, V
 remat          0|1 (0)                     recompute each layer in the backward pass
+layers_as      unrolled|loop (unrolled)    loop: the layers are one ``lax.scan`` over
+                                           ``params/layers/...`` (each leaf stacked on dim 0),
+                                           as MaxText and PaLM-style code write it; the
+                                           partitioner sees one layer (``core.loops``)
 precision      f32|bf16 (f32)              bf16: bf16 matmul inputs, activations, gradients;
                                            float32 master weights, Adam state, norms, softmax
                                            and loss (see ``scenarios.transformer_model``)
@@ -111,18 +115,20 @@ import numpy as np
 
 from partir_emu.errors import ScenarioError
 from scenarios import transformer_model
-from scenarios.common import Config, ParamKind, Scenario, make_strategies
+from scenarios.common import Config, ParamKind, Scenario
+from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strategies
 
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
-              "precision", "mlp", "block", "tied", "norm", "bias", "attention")
+              "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as")
 CHOICES: dict[str, tuple[str, ...]] = {
+    "layers_as": ("unrolled", "loop"),
     "precision": ("f32", "bf16"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
     "norm": ("layernorm", "rmsnorm"), "bias": ("mlp", "0", "1"), "attention": ("naive", "flash"),
 }
 FLAG_NAMES = ("remat", "tied")
 # the original model; head_dim and kv_heads are derived (complete_config)
 DEFAULTS: Config = dict(remat=0, precision="f32", mlp="gelu", block="serial", tied=0, norm="layernorm",
-                        bias="mlp", attention="naive")
+                        bias="mlp", attention="naive", layers_as="unrolled")
 
 PRESETS: dict[str, Config] = {
     "tiny": dict(DEFAULTS, batch=8, seq=8, d_model=16, heads=4, d_ff=32, layers=2, vocab=32),
@@ -173,16 +179,28 @@ def param_shapes(cfg: Config) -> dict:
     elif cfg["mlp"] == "swiglu":
         mlp.update(biases)
     shapes: dict = {"embed": {"tokens": (v, d), "pos": (s, d)}}
-    for i in range(cfg["layers"]):
-        layer = {"ln1": ln(), "attn": dict(attn)}
-        if cfg["block"] == "serial":
-            layer["ln2"] = ln()
-        layer["mlp"] = dict(mlp)
-        shapes[f"layer_{i}"] = layer
+    layer = {"ln1": ln(), "attn": dict(attn)}
+    if cfg["block"] == "serial":
+        layer["ln2"] = ln()
+    layer["mlp"] = dict(mlp)
+    if cfg["layers_as"] == "loop":     # one tree, every leaf with the layers stacked on dim 0
+        shapes["layers"] = _stacked(layer, cfg["layers"])
+    else:
+        for i in range(cfg["layers"]):
+            shapes[f"layer_{i}"] = {k: dict(v) for k, v in layer.items()}
     shapes["final_ln"] = ln()
     if not cfg["tied"]:
         shapes["unembed"] = {"w": (d, v)}
     return shapes
+
+
+def _stacked(tree: dict, n: int) -> dict:
+    return {k: _stacked(v, n) if isinstance(v, dict) else (n, *v) for k, v in tree.items()}
+
+
+def _stack_trees(trees: list) -> dict:
+    return {k: _stack_trees([t[k] for t in trees]) if isinstance(trees[0][k], dict) else np.stack([t[k] for t in trees])
+            for k in trees[0]}
 
 
 def batch_shapes(cfg: Config) -> dict:
@@ -218,6 +236,15 @@ def model_flops(cfg: Config) -> int:
 
 
 def make_params(cfg: Config, rng: np.random.Generator) -> dict:
+    """Initial parameters; with ``layers_as=loop`` the very values of ``layers_as=unrolled`` (same
+    draws), each layer's stacked on dim 0, so both forms of one config compute the same step."""
+    cfg = complete_config(cfg)
+    if cfg["layers_as"] == "loop":
+        flat = make_params(dict(cfg, layers_as="unrolled"), rng)
+        layers = [flat.pop(f"layer_{i}") for i in range(cfg["layers"])]
+        flat["layers"] = _stack_trees(layers)
+        return flat
+
     def init(path: str, shape: tuple[int, ...]) -> np.ndarray:
         leaf = path.rsplit("/", 1)[-1]
         if leaf == "scale":
@@ -254,16 +281,25 @@ def param_kinds(cfg: Config | None, model_size: int = 1) -> tuple[ParamKind, ...
     mp = {"w_q": 1, "w_k": kv_dim, "w_v": kv_dim, "w_o": 0, "b_q": 0, "b_v": 0 if kv_dim else None,
           "w_in": 1, "b_in": 0, "w_out": 0, "w_gate": 1, "b_gate": 0, "w_up": 1, "b_up": 0, "w_down": 0}
     kinds = []
+    loop = c["layers_as"] == "loop"
     for top, tree in shapes.items():
         prefix = "layer_*" if top == "layer_0" else top
         for name, sub in tree.items():
-            if isinstance(sub, dict):
+            if isinstance(sub, dict) and loop and top == "layers":    # stacked: dim 0 is the layer
+                kinds += [ParamKind(f"{prefix}/{name}/{leaf}", len(shape),
+                                    None if mp.get(leaf) is None else mp[leaf] + 1, stacked=True)
+                          for leaf, shape in sub.items()]
+            elif isinstance(sub, dict):
                 kinds += [ParamKind(f"{prefix}/{name}/{leaf}", len(shape), mp.get(leaf))
                           for leaf, shape in sub.items()]
             else:
-                kinds.append(ParamKind(f"{prefix}/{name}", len(sub), None))
+                kinds.append(ParamKind(f"{prefix}/{name}", len(sub), None, emb_dim=_EMB_DIMS.get(f"{prefix}/{name}")))
     return tuple(kinds)
 
+
+# the vocabulary dim of the tables the ``emb`` strategies shard (the unembedding's, or with
+# ``tied=1`` the one table's, which then serves lookup and logits)
+_EMB_DIMS = {"embed/tokens": 0, "unembed/w": 1}
 
 PARAM_KINDS = param_kinds(None)
 
@@ -294,7 +330,8 @@ SCENARIO = Scenario(
     param_count=param_count,
     model_flops=model_flops,
     param_kinds=PARAM_KINDS,
-    strategies=make_strategies(param_kinds, param_shapes, check_mp=_check_mp),
+    strategies=make_strategies(param_kinds, param_shapes, check_mp=_check_mp,
+                               names=STRATEGY_NAMES + EMB_STRATEGY_NAMES),
     check_config=_check_config,
     flag_names=FLAG_NAMES,
     choices=CHOICES,

@@ -131,8 +131,11 @@ def make_loss(cfg: Config):
         emb = params["embed"]
         # gather from the float32 table, then cast: the embedding gradient accumulates in float32
         x = _as(emb["tokens"][batch["tokens"]], dtype) + _as(emb["pos"], dtype)
-        for i in range(cfg["layers"]):
-            x = block(x, params[f"layer_{i}"])
+        if cfg["layers_as"] == "loop":
+            x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params["layers"])
+        else:
+            for i in range(cfg["layers"]):
+                x = block(x, params[f"layer_{i}"])
         h = norm(x, params["final_ln"], cfg["norm"], dtype)
         unembed = _as(emb["tokens"], dtype).T if cfg["tied"] else _as(params["unembed"]["w"], dtype)
         logp = jax.nn.log_softmax(wide(h @ unembed), axis=-1)

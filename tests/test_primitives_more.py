@@ -164,10 +164,16 @@ def test_scatters_with_a_tiled_window_dim_stay_local(idx):
     assert not _collectives(spmd)
 
 
-def test_scatters_with_the_indexed_dim_tiled_gather_it():
+@pytest.mark.parametrize("idx", [IDX, DUP], ids=["distinct", "repeated"])
+def test_scatters_into_a_tiled_indexed_dim_apply_each_blocks_rows_locally(idx):
+    """Row scatters (set/min/max/mul/add of rows of x) with x's rows tiled: each device shifts the
+    indices by its block start and drops the rows it does not hold (compiler/indexed.py); no
+    collective, whichever block the (repeated) rows fall in."""
     x = RNG.standard_normal((6, 8)).astype(np.float32)
-    spmd = _check(_at, x, IDX, tiles={"x": 0})
-    assert _local_inputs(spmd, "scatter") == [(6, 8)]
+    spmd = _check(_at, x, idx, tiles={"x": 0})
+    for prim in ("scatter", "scatter-min", "scatter-max", "scatter-mul", "scatter-add"):
+        assert _local_inputs(spmd, prim) == [(3, 8)], prim
+    assert not _collectives(spmd)
 
 
 def test_scatter_set_of_updates_tiled_along_their_scatter_dim():

@@ -207,12 +207,15 @@ def test_strategies_match_inputs(scenario, mesh):
                 if n.startswith("batch/"):
                     assert tiling[n] == {0: daxes}
         if "mp" in parts:
-            mp = [t for t in tactics if t.axis == "model"]
+            mp = [t for t in tactics if t.axis == "model" and t.name.startswith("mp")]
             assert len(mp) == 1
+        if "emb" in parts:     # the vocabulary dims on model, optimizer state alike
+            assert tiling["params/embed/tokens"].get(0) == ["model"] and tiling["opt/mu/embed/tokens"].get(0) == ["model"]
+            assert tiling["params/unembed/w"].get(1) == ["model"]
         for p in params:
             opt_names = [f"opt/mu/{p[7:]}", f"opt/nu/{p[7:]}"]
             model_dims = {d for d, axes in tiling[p].items() if "model" in axes}
-            if "mp" in parts:       # optimizer state sharded like its parameter on model
+            if "mp" in parts or "emb" in parts:       # optimizer state sharded like its parameter on model
                 for o in opt_names:
                     assert {d for d, axes in tiling[o].items() if "model" in axes} == model_dims
             if "z3" in parts or "z2" in parts:

@@ -270,11 +270,12 @@ def check_run_args(args: argparse.Namespace, exp: Any) -> None:
 
 # -- memory -----------------------------------------------------------------------------------------
 def input_bytes(exp: Any) -> int:
-    """Bytes of the experiment's global inputs from its sizes alone (params, Adam's two moments, batch)."""
+    """Bytes of the experiment's global inputs from its sizes alone (params, the state: Adam's two
+    moments or e.g. a KV cache, batch)."""
     sc, cfg = exp.scenario, exp.cfg
     params = 4 * _count(sc.param_shapes(cfg))                 # float32 parameters
     batch = _batch_bytes(sc.batch_shapes(cfg))
-    return 3 * params + batch
+    return params + sc.state_bytes(cfg) + batch
 
 
 def _count(shapes: dict) -> int:

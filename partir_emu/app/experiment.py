@@ -33,7 +33,6 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios import get_scenario
-from scenarios.common import STATE_OUTPUTS
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -75,8 +74,9 @@ class Experiment:
         return self.scenario.strategy(self.strategy, self.mesh, self.cfg)
 
     def make_step(self) -> Any:
-        """The scenario's step; in strict mode stopped before the optimizer (loss and gradients)."""
-        return self.scenario.make_step(self.cfg, grads_only=self.strict)
+        """The scenario's step; in strict mode a training step stops before the optimizer (loss and
+        gradients; see ``Scenario.build_step``)."""
+        return self.scenario.build_step(self.cfg, strict=self.strict)
 
     @functools.cached_property
     def program(self) -> Program:
@@ -85,7 +85,7 @@ class Experiment:
 
     def lower(self) -> Lowered:
         """Trace (abstractly), partition and lower."""
-        return lower_program(self.program, self.mesh, self.schedule, STATE_OUTPUTS)
+        return lower_program(self.program, self.mesh, self.schedule, dict(self.scenario.state_outputs))
 
     def inputs(self, names: Sequence[str] | None = None) -> list[np.ndarray]:
         """Global inputs, flat, in the program's input order (numpy only): generated from the
@@ -107,7 +107,7 @@ class Experiment:
         ``precision=f32`` (no casts), run in float64; otherwise the step itself."""
         if self.cfg.get("precision", "f32") == "f32":
             return self.jitted_step
-        return _jax().jit(self.scenario.make_step({**self.cfg, "precision": "f32"}, grads_only=self.strict))
+        return _jax().jit(self.scenario.build_step({**self.cfg, "precision": "f32"}, strict=self.strict))
 
     def reference(self, inputs: Sequence[np.ndarray] | None = None, *, x64: bool = False) -> list[np.ndarray]:
         """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs; with ``x64`` in float64

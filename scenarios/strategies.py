@@ -1,0 +1,219 @@
+"""Named strategies: ``bp``, ``mp``, ``emb``, ``z2``, ``z3`` and ``auto``, joined by ``+``, built from a
+scenario's parameter kinds (:class:`~scenarios.common.ParamKind`) and written against input names
+with shell globs (see :mod:`scenarios.common`).
+
+Strategies are functions ``strategy(mesh, cfg=None) -> list[ManualPartition]``. Data axes are every
+mesh axis except ``model``, in mesh order; the model axis is ``model``. Without ``cfg`` the dims are
+the static defaults documented in :func:`build_strategy`; with ``cfg`` they are checked against the
+real shapes (and a ZeRO dim that does not divide falls back deterministically).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPartition
+from partir_emu.core.mesh import Mesh
+from partir_emu.errors import ScenarioError
+from scenarios.common import MODEL_AXIS, Config, KindsFn, ParamKind, Strategy
+
+
+def data_axes(mesh: Mesh) -> list[str]:
+    return [a for a in mesh.axis_names if a != MODEL_AXIS]
+
+
+def _check_mesh(mesh: Mesh, strategy: str, *, need_data: bool, need_model: bool) -> None:
+    if not isinstance(mesh, Mesh):
+        raise ScenarioError(f"strategy {strategy!r} takes a partir_emu Mesh, got {mesh!r}")
+    if need_model and MODEL_AXIS not in mesh.axis_names:
+        raise ScenarioError(f"strategy {strategy!r} needs mesh axis {MODEL_AXIS!r}, which {mesh} lacks; "
+                            f"add it, e.g. --mesh batch=2,{MODEL_AXIS}=2")
+    if need_data and not data_axes(mesh):
+        raise ScenarioError(f"strategy {strategy!r} needs a data axis (any mesh axis other than "
+                            f"{MODEL_AXIS!r}), which {mesh} lacks; add one, e.g. --mesh batch=2,{MODEL_AXIS}=2")
+
+
+def _kind_shapes(scenario_param_shapes: dict, kinds: Sequence[ParamKind]) -> dict[str, list[tuple[int, ...]]]:
+    """The distinct shapes each kind has in a config (usually one; e.g. an MLP's last block differs)."""
+    import fnmatch
+
+    flat: dict[str, tuple[int, ...]] = {}
+
+    def walk(tree, prefix):
+        for k, v in tree.items():
+            name = f"{prefix}/{k}" if prefix else k
+            if isinstance(v, dict):
+                walk(v, name)
+            else:
+                flat[name] = tuple(v)
+
+    walk(scenario_param_shapes, "")
+    out = {}
+    for kind in kinds:
+        shapes = sorted({s for n, s in flat.items() if fnmatch.fnmatchcase(n, kind.pattern)})
+        if not shapes or any(len(s) != kind.rank for s in shapes):
+            raise ScenarioError(f"parameter kind {kind.pattern!r} of rank {kind.rank} matches shapes {shapes}")
+        out[kind.pattern] = shapes
+    return out
+
+
+def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence[ParamKind] | KindsFn,
+                   param_shapes: Callable[[Config], dict], batch_patterns: Sequence[str] = ("batch/*",),
+                   batch_size: Callable[[Config], int] = lambda c: c["batch"],
+                   check_mp: Callable[[Config, int], None] | None = None) -> list[ManualPartition]:
+    """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``emb``, ``z2``, ``z3`` joined by ``+``.
+
+    Tactic order: bp (one per data axis), then mp and emb (on ``model``), then z2/z3
+    (one per data axis).
+
+    - ``bp``: ``batch/*`` dim 0 on each data axis.
+    - ``mp``: each kind with an ``mp_dim`` (column-parallel weights dim 1,
+      their biases dim 0, row-parallel weights dim 0), its ``mu``/``nu`` alike.
+    - ``emb``: each kind with an ``emb_dim`` (the vocabulary dim of the embedding and
+      unembedding tables) on ``model``: a masked local lookup whose rows are all-reduced, and
+      vocab-parallel logits with a sharded softmax cross-entropy (a pending max and sums of
+      [batch, seq] values), so no collective carries [batch, seq, vocab] or [vocab, d_model].
+    - ``z3``: every parameter and its ``mu``/``nu`` on each data axis; ``z2``:
+      only ``mu``/``nu``. Default dim 0, except a matrix already sharded on
+      ``model`` uses its other dim (a 1-D vector stacks the data axis after
+      ``model`` on dim 0). With ``cfg``, a dim whose size is not divisible by
+      the product of the axes on it falls back to the largest divisible dim
+      (lowest index on ties, never the model dim of a matrix); a parameter with
+      no such dim stays replicated on that axis. Scalars are never sharded.
+
+    ``kinds`` may be a function ``(cfg, model axis size) -> kinds`` when which parameters exist,
+    and which of them Megatron shards, depend on the config (``cfg=None``: the static defaults).
+    """
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in ("bp", "mp", "emb", "z2", "z3", "auto")]
+    if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
+            or ("auto" in parts and ("mp" in parts or "emb" in parts)):
+        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp and emb (or auto), z2, z3")
+    use_mp, use_emb = "mp" in parts, "emb" in parts
+    use_auto = "auto" in parts
+    zero = "z3" if "z3" in parts else "z2" if "z2" in parts else None
+    use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
+    _check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_emb or use_auto)
+    daxes = data_axes(mesh)
+    if callable(kinds):
+        kinds = tuple(kinds(cfg, mesh.axis_size(MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1))
+    shapes = _kind_shapes(param_shapes(cfg), kinds) if cfg is not None else None
+    tactics: list[ManualPartition] = []
+
+    if use_bp:
+        if cfg is not None:
+            group = mesh.group_size(daxes)
+            if batch_size(cfg) % group:
+                raise ScenarioError(f"strategy {name!r}: batch {batch_size(cfg)} is not divisible by the data "
+                                    f"axes {daxes} of {mesh} (product {group}); change --set batch=...")
+        for ax in daxes:
+            tactics.append(ManualPartition({p: 0 for p in batch_patterns}, axis=ax, name=f"bp:{ax}"))
+
+    # how many devices already tile each dim of each kind
+    tiled: dict[str, dict[int, int]] = {k.pattern: {} for k in kinds}
+    if use_mp:
+        if cfg is not None and check_mp is not None:
+            check_mp(cfg, mesh.axis_size(MODEL_AXIS))
+        tactics.append(_model_tactic(name, "mp", kinds, mesh, shapes, tiled))
+    if use_emb:
+        tactics.append(_model_tactic(name, "emb", kinds, mesh, shapes, tiled))
+    if use_auto:
+        # the model axis searched instead of written: the caller's cost model prices each choice
+        # (partir_emu.api passes the analytical model, on this tactic's hardware)
+        tactics.append(AutomaticPartition(MODEL_AXIS, inputs="params/*", name=f"auto:{MODEL_AXIS}",
+                                          hardware="tpu-v4"))
+
+    if zero is not None:
+        for ax in daxes:
+            size = mesh.axis_size(ax)
+            inputs = {}
+            for k in kinds:
+                if k.rank == 0:
+                    continue
+                d = _zero_dim(k, _model_dim(k, use_mp, use_emb), size, tiled[k.pattern],
+                              shapes[k.pattern] if shapes else None)
+                if d is None:
+                    continue
+                tiled[k.pattern][d] = tiled[k.pattern].get(d, 1) * size
+                if zero == "z3":
+                    inputs[f"params/{k.pattern}"] = d
+                inputs[f"opt/*/{k.pattern}"] = d
+            if zero == "z2":
+                # ZeRO-2 keeps parameters replicated: without the pin, propagation would carry
+                # the optimizer-state tiling backward through the update into the parameters.
+                inputs["params/*"] = REPLICATED
+            if inputs:
+                tactics.append(ManualPartition(inputs, axis=ax, name=f"{zero}:{ax}"))
+    return tactics
+
+
+def _model_dim(kind: ParamKind, use_mp: bool, use_emb: bool) -> int | None:
+    """The dim of ``kind`` that the ``model`` axis tiles under this strategy, if any."""
+    if use_mp and kind.mp_dim is not None:
+        return kind.mp_dim
+    return kind.emb_dim if use_emb else None
+
+
+def _model_tactic(name: str, part: str, kinds: Sequence[ParamKind], mesh: Mesh, shapes: dict | None,
+                  tiled: dict[str, dict[int, int]]) -> ManualPartition:
+    """The ``model``-axis tactic of ``part`` (``mp``: each kind's ``mp_dim``; ``emb``: its ``emb_dim``),
+    with the optimizer state alike; ``tiled`` records what it tiles."""
+    msize = mesh.axis_size(MODEL_AXIS)
+    inputs: dict[str, int] = {}
+    for k in kinds:
+        d = k.mp_dim if part == "mp" else k.emb_dim
+        if d is None:
+            continue
+        bad = [s for s in (shapes[k.pattern] if shapes else []) if s[d] % msize]
+        if bad:
+            raise ScenarioError(f"strategy {name!r}: dim {d} of params/{k.pattern} (shape {bad[0]}) is not divisible "
+                                f"by axis {MODEL_AXIS!r} of size {msize}; change the sizes or the mesh")
+        inputs[f"params/{k.pattern}"] = d
+        inputs[f"opt/*/{k.pattern}"] = d
+        tiled[k.pattern][d] = msize
+    if not inputs:
+        raise ScenarioError(f"strategy {name!r}: this scenario has no parameter that {part!r} shards "
+                            f"({'no embedding or unembedding table' if part == 'emb' else 'no Megatron layer'})")
+    return ManualPartition(inputs, axis=MODEL_AXIS, name=f"{part}:{MODEL_AXIS}")
+
+
+def _zero_dim(kind: ParamKind, model_dim: int | None, size: int, tiled: dict[int, int],
+              shapes: list[tuple[int, ...]] | None) -> int | None:
+    lead = 1 if kind.stacked else 0                 # a stacked kind's dim 0 is the layer dim
+    if kind.rank - lead < 2:                        # a vector stacks the data axis after ``model``
+        model_dim = None
+    if kind.rank <= lead:
+        return None
+    default = lead
+    if model_dim is not None:
+        default = next(d for d in range(lead, kind.rank) if d != model_dim)
+    if shapes is None:
+        return default
+    fits = lambda d: all(s[d] % (tiled.get(d, 1) * size) == 0 for s in shapes)
+    if fits(default):
+        return default
+    candidates = [d for d in range(lead, kind.rank) if d != model_dim and fits(d)]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda d: (-min(s[d] for s in shapes), d))
+
+
+STRATEGY_NAMES = ("bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z2", "bp+mp+z3", "bp+auto")
+# for scenarios with an embedding and an unembedding (kinds with an ``emb_dim``)
+EMB_STRATEGY_NAMES = ("bp+emb", "bp+mp+emb", "bp+mp+emb+z3")
+
+
+def make_strategies(kinds: Sequence[ParamKind] | KindsFn, param_shapes: Callable[[Config], dict], *,
+                    check_mp: Callable[[Config, int], None] | None = None,
+                    names: Sequence[str] = STRATEGY_NAMES) -> dict[str, Strategy]:
+    """``{name: strategy(mesh, cfg=None) -> list[ManualPartition]}`` for the standard names."""
+
+    def make(n: str) -> Strategy:
+        def strategy(mesh: Mesh, cfg: Config | None = None) -> list[ManualPartition]:
+            return build_strategy(n, mesh, cfg, kinds=kinds, param_shapes=param_shapes, check_mp=check_mp)
+        strategy.__name__ = strategy.__qualname__ = f"strategy_{n.replace('+', '_')}"
+        strategy.__doc__ = f"Strategy {n!r}: see scenarios.strategies.build_strategy."
+        return strategy
+
+    return {n: make(n) for n in names}
+
+
