@@ -4,7 +4,13 @@ The scenario step is lowered here, its in/out shardings exported with
 :func:`partir_emu.interop.to_jax`, and ``jax.jit(step, in_shardings, out_shardings)`` compiled
 by XLA for ``N`` fake CPU devices in a child process (:mod:`partir_emu.app.xla_child`: jax fixes
 its device count when its backend starts, so the parent's jax is never touched). Both
-programs' collectives are then printed side by side, per kind and per set of mesh axes.
+programs' collectives are then printed side by side, per kind and per set of mesh axes, with
+whether XLA's executable kept every exported in/out sharding; ``--run`` also runs both programs
+on the same inputs and compares the numbers (:mod:`partir_emu.app.xla_child` states the
+criterion). ``--strategy all`` does this for every strategy the scenario offers in one child
+process, one table each; the strategies the mesh cannot carry (Megatron without a ``model``
+axis) are listed as skipped. The exit status is 1 if XLA changed a sharding or, with ``--run``,
+gave other numbers.
 
 XLA combines collectives, so raw instruction counts do not compare. The normalised view counts
 *tensors*, not instructions, in four families:
@@ -24,6 +30,7 @@ table shows what it chose, it does not judge it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,8 +40,9 @@ from collections.abc import Sequence
 
 from partir_emu.app import checks
 from partir_emu.app.common import add_experiment_args, experiment_from_args, write_report
+from partir_emu.app.experiment import Experiment
 from partir_emu.app.phases import Phases
-from partir_emu.errors import PartirError, UsageError
+from partir_emu.errors import PartirError, ScenarioError, UsageError
 
 FAMILY = {"all-reduce": "reduction", "reduce-scatter": "reduction", "all-gather": "all-gather",
           "all-to-all": "all-to-all", "collective-permute": "collective-permute"}
@@ -42,15 +50,18 @@ FAMILIES = ("reduction", "all-gather", "all-to-all", "collective-permute")
 # LLVM's code generation at -O0: about half the CPU compile time. It runs after every HLO pass (SPMD
 # partitioning, collective combining), so the collectives are the same; the numbers may round differently.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+ALL = "all"                 # --strategy all: every strategy the scenario offers, in one child process
 MAX_DEVICES = 1024          # REFERENCE.md: XLA on 1024 fake CPU devices compiles a small step in ~8 s
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare-xla", help="compile the exported shardings with XLA on fake CPU devices and print "
-                                           "both programs' collectives side by side")
+                                           "both programs' collectives side by side (--strategy all: every "
+                                           "strategy of the scenario, one table each, in one child process)")
     add_experiment_args(p)
     p.add_argument("--run", action="store_true", help="also run both programs on the same inputs and compare their "
-                   "outputs (exit 1 if they differ beyond rtol 1e-5, atol 1e-6)")
+                   "outputs: elementwise (rtol 1e-5, atol 1e-6), else within the verdict's normwise bound with "
+                   "both runs verified against float64; exit 1 if they differ, or if XLA changed a sharding")
     p.add_argument("--hlo", default=None, metavar="PATH", help="write XLA's compiled HLO module here")
     p.add_argument("--timeout", type=checks.seconds, default=600.0, help="seconds before the XLA child is stopped")
     p.add_argument("--report", default=None, help="write the JSON report here")
@@ -127,12 +138,35 @@ def render(rep: dict) -> str:
     same = sum(r["same"] for r in rep["normalised"])
     lines.append(f"  {same} of {len(rep['normalised'])} rows agree")
     if "outputs" in rep:
-        o = rep["outputs"]
-        lines.append(f"outputs: {o['count']} compared, largest |XLA - partir-emu| {o['max_abs']:.3g} "
-                     f"(at {o['worst_output']!r}, {o['worst_ratio']:.2f} of atol 1e-6 + rtol 1e-5); equal to "
-                     f"rounding: {'yes' if o['verified'] else 'NO'}; XLA kept the exported output shardings: "
-                     f"{'yes' if o['layout_ok'] else 'NO'}")
+        lines.append(_render_outputs(rep["outputs"]))
+    else:
+        lines.append("XLA kept the exported shardings: " + _layout(rep))
     return "\n".join(lines)
+
+
+def _render_outputs(o: dict) -> str:
+    head = (f"outputs: {o['count']} compared, largest |XLA - partir-emu| {o['max_abs']:.3g} (at {o['worst_output']!r}, "
+            f"{o['worst_ratio']:.2f} of atol 1e-6 + rtol 1e-5); ")
+    if o["criterion"] == "elementwise":
+        same = "equal to rounding elementwise: yes"
+    elif o["criterion"] == "shape":
+        same = f"equal to rounding: NO, other shapes ({o['shapes']})"
+    else:
+        n = o["normwise"]
+        same = (f"not elementwise; normwise {n['err']:.2e} at {n['worst_output']!r} (allowed {n['bound']:.2e}, jax.jit's "
+                f"own error {n['baseline_err']:.2e}); XLA verified vs float64: {'yes' if o['xla_verified'] else 'NO'}, "
+                f"partir-emu: {'yes' if o['ours_verified'] else 'NO'}; equal to rounding: "
+                f"{'yes' if o['verified'] else 'NO'}")
+    return head + same + f"; XLA kept the exported shardings: {_layout(o)}"
+
+
+def _layout(o: dict) -> str:
+    return "yes" if o["layout_ok"] else "NO (" + "; ".join(o["layout_mismatches"][:3]) + ")"
+
+
+def failed(rep: dict) -> bool:
+    """XLA changed an exported sharding, or (with ``--run``) its numbers are not ours."""
+    return not rep["layout_ok"] or ("outputs" in rep and not rep["outputs"]["verified"])
 
 
 def report(exp: object, answer: dict) -> dict:
@@ -143,37 +177,78 @@ def report(exp: object, answer: dict) -> dict:
            "compile_s": answer["compile_s"], "normalised": table(ours_n, xla_n),
            "raw": {"ours": raw(answer["ours"]), "xla": raw(answer["xla"])},
            "collectives": {"ours": answer["ours"], "xla": answer["xla"]},
-           "in_specs": answer["in_specs"], "out_specs": answer["out_specs"]}
+           "in_specs": answer["in_specs"], "out_specs": answer["out_specs"],
+           "layout_ok": answer["layout_ok"], "layout_mismatches": answer["layout_mismatches"]}
     if "diffs" in answer:
         worst = max(answer["diffs"].items(), key=lambda kv: kv[1]["worst_ratio"], default=("", {"worst_ratio": 0.0}))
         rep["outputs"] = {"count": answer["outputs"], "layout_ok": answer["layout_ok"], "verified": answer["verified"],
-                          "worst_output": worst[0],
-                          "worst_ratio": worst[1]["worst_ratio"],
+                          "layout_mismatches": answer["layout_mismatches"], "criterion": answer["criterion"],
+                          "worst_output": worst[0], "worst_ratio": worst[1]["worst_ratio"],
                           "max_abs": max((d["max_abs"] for d in answer["diffs"].values()), default=0.0),
                           "per_output": answer["diffs"]}
+        rep["outputs"].update({k: answer[k] for k in ("shapes", "normwise", "xla_verified", "ours_verified", "xla_verdict",
+                                                      "ours_verdict") if k in answer})
     return rep
+
+
+def _experiments(args: argparse.Namespace) -> tuple[list[Experiment], dict[str, str]]:
+    """The experiments to compare (one, or with ``--strategy all`` one per strategy the scenario
+    offers) and, for ``all``, the strategies the mesh cannot carry with the reason. Every schedule is
+    built here, so bad input fails before the child starts."""
+    exp = experiment_from_args(args)
+    if args.strategy != ALL:
+        _ = exp.schedule    # a bad strategy or mesh fails here
+        return [exp], {}
+    exps, skipped = [], {}
+    for name in exp.scenario.strategies:
+        one = dataclasses.replace(exp, strategy=name)
+        try:
+            _ = one.schedule
+        except ScenarioError as err:          # e.g. mp on a mesh without a model axis
+            skipped[name] = str(err)
+            continue
+        exps.append(one)
+    if not exps:
+        raise UsageError(f"--strategy all: no strategy of {exp.scenario_name!r} fits --mesh {args.mesh}; "
+                         f"for example: {next(iter(skipped.values()))}")
+    return exps, skipped
 
 
 def cmd_compare_xla(args: argparse.Namespace) -> int:
     checks.check_output_path(args.report, "--report")
     checks.check_output_path(args.hlo, "--hlo")
-    exp = experiment_from_args(args)
+    exps, skipped = _experiments(args)
+    exp = exps[0]
     checks.check_mesh_size(exp.mesh, MAX_DEVICES, "compare-xla")
     if args.run and exp.preset in exp.scenario.simulation_only:
         raise UsageError(f"--run: size {exp.preset!r} of {exp.scenario_name!r} is for simulation only; drop --run "
                          "(compiling needs no arrays) or choose another --size")
-    _ = exp.schedule    # a bad strategy or mesh fails here, before the child starts
-    case = {"scenario": exp.scenario_name, "strategy": exp.strategy, "mesh": args.mesh, "size": exp.preset,
-            "overrides": args.overrides, "seed": args.seed, "run": args.run,
-            "hlo_path": os.path.abspath(args.hlo) if args.hlo else None}
+    if args.hlo and len(exps) > 1:
+        raise UsageError("--hlo writes one module: give one --strategy, not all")
+    cases = [{"scenario": e.scenario_name, "strategy": e.strategy, "mesh": args.mesh, "size": e.preset,
+              "overrides": args.overrides, "seed": args.seed, "run": args.run,
+              "hlo_path": os.path.abspath(args.hlo) if args.hlo else None} for e in exps]
     with Phases("compare-xla", quiet=args.quiet) as phases:
-        phases.phase("lowering, and compiling with XLA in a child process")
-        (answer,) = run_child([case], exp.mesh.size, args.timeout)
-    if "error" in answer:
-        raise PartirError(answer["error"])
-    rep = report(exp, answer)
-    write_report(rep, args.report)
-    print(render(rep))
+        phases.phase(f"lowering, and compiling {len(cases)} step{'s' if len(cases) > 1 else ''} with XLA in a "
+                     "child process")
+        answers = run_child(cases, exp.mesh.size, args.timeout)
+    errors = [a["error"] for a in answers if "error" in a]
+    if errors:
+        raise PartirError(errors[0])
+    reps = [report(e, a) for e, a in zip(exps, answers)]
+    bad = [r["strategy"] for r in reps if failed(r)]
+    if args.strategy == ALL:
+        write_report({"scenario": exp.scenario_name, "mesh": dict(exp.mesh.axes), "strategies": reps,
+                      "skipped": skipped}, args.report)
+        print("\n\n".join(render(r) for r in reps))
+        for name, why in skipped.items():
+            print(f"skipped {name}: {why}")
+        what = "gives our numbers and keeps" if args.run else "keeps"
+        print(f"{len(reps) - len(bad)} of {len(reps)} strategies: XLA {what} the exported shardings"
+              + (f"; not: {', '.join(bad)}" if bad else ""))
+    else:
+        write_report(reps[0], args.report)
+        print(render(reps[0]))
     if args.hlo:
         print(f"wrote {args.hlo}")
-    return 1 if "outputs" in rep and not (rep["outputs"]["verified"] and rep["outputs"]["layout_ok"]) else 0
+    return 1 if bad else 0
