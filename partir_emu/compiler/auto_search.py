@@ -214,6 +214,7 @@ class Mcts:
         return n
 
     def child(self, parent: Node, action: int) -> Node:
+        assert parent.branch is not None, "a closed node has no children"
         fam = parent.branch[0]
         dec = dict(parent.decisions)
         if action != LEAVE:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from partir_emu.compiler.state import ShardingState
-from partir_emu.compiler.tactics import AutomaticPartition, ManualPartition
+from partir_emu.compiler.tactics import AutomaticPartition, ManualPartition, _Replicated
 from partir_emu.core.ir import Var
 from partir_emu.errors import TacticError
 
@@ -87,7 +87,7 @@ class DecidedPartition(ManualPartition):
 
     indices: tuple[tuple[int, int], ...] = ()
 
-    def resolve(self, names: Sequence[str]) -> dict[int, int]:
+    def resolve(self, names: Sequence[str]) -> dict[int, int | _Replicated]:
         return dict(self.indices)
 
 
