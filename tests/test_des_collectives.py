@@ -15,6 +15,7 @@ from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels import Placement, Topology, load_spec, place, simulate
 from partir_emu.hwmodels.des import DesError, simulate_des
+from partir_emu.hwmodels.links import LinkSpecError
 
 A, B = 1e-6, 4.5e10
 MM = (((1,), (0,)), ((), ()))
@@ -270,9 +271,9 @@ def test_failed_link_reroutes_the_other_way_round():
 def test_failed_link_that_disconnects_is_an_error():
     pl = Placement(Mesh(x=4), ring_topo(4, wrap=False))
     spmd = one_collective(pl.mesh, "all_gather", ("x",), 4096)
-    with pytest.raises(DesError, match="disconnect chip"):
+    with pytest.raises(LinkSpecError, match="disconnect chip"):
         simulate_des(spmd, "tpu-v4", pl, failed_links=("1-2",))
-    with pytest.raises(DesError, match="no link 0->2"):
+    with pytest.raises(LinkSpecError, match="no link 0->2"):
         simulate_des(spmd, "tpu-v4", pl, failed_links=("0->2",))
 
 

@@ -13,6 +13,7 @@ from partir_emu.hwmodels import Placement, load_spec, place, simulate
 from partir_emu.hwmodels.des import DesError, DesOptions, simulate_des
 from partir_emu.hwmodels.des.model import Simulation
 from partir_emu.hwmodels.des.progress import Progress
+from partir_emu.hwmodels.links import FaultError
 from tests.test_des_collectives import ring_topo, torus_topo
 
 
@@ -105,7 +106,7 @@ def test_options_are_checked():
     for kw, msg in ((dict(network="packet"), "unknown DES network"), (dict(comm_streams=0), "comm_streams"),
                     (dict(stragglers={1: 0}), "slow-down factor"), (dict(merge_window_s=-1), "merge_window_s"),
                     (dict(degraded_links={"0->1": 0}), "factor 0"), (dict(failed_links=("zz",)), "SRC->DST")):
-        with pytest.raises(DesError, match=msg):
+        with pytest.raises((DesError, FaultError), match=msg):    # link faults are both models' input
             simulate_des(spmd, "tpu-v4", Placement(spmd.mesh, ring_topo(4)), **kw)
     with pytest.raises(DesError, match="not both"):
         simulate_des(spmd, "tpu-v4", options=DesOptions(), comm_streams=2)

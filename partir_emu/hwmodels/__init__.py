@@ -3,8 +3,9 @@
 Imports neither jax nor mpi4py. The DES (``hwmodels/des``) reuses ``Topology.route``
 and ``Placement.chip_of``.
 """
+from partir_emu.hwmodels.algorithm_choice import choose_algorithm
 from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer, CollectiveRow, SimReport, simulate
-from partir_emu.hwmodels.comm import CommModel, PriceCache, choose_algorithm, price_schedule
+from partir_emu.hwmodels.comm import CommModel, PriceCache, price_schedule
 from partir_emu.hwmodels.costs import cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
 from partir_emu.hwmodels.placement import GroupLayout, Placement, place

@@ -27,24 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
+from partir_emu.collectives.algorithms import build_schedule
 from partir_emu.collectives.schedule import CollectiveSchedule
 from partir_emu.core.ir import itemsize as dtype_itemsize
 from partir_emu.core.spmd import permute_pairs
-from partir_emu.errors import CollectiveError
-from partir_emu.hwmodels.placement import GroupLayout, Placement
+from partir_emu.hwmodels.algorithm_choice import AlgorithmChoice, candidates
+from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.topology import Topology
-
-
-@dataclass(frozen=True)
-class AlgorithmChoice:
-    """What to build and where: the requested algorithm, the schedule's ``group_shape`` and
-    ``devices_per_node``, and the chip of each schedule position."""
-
-    algorithm: str
-    group_shape: tuple[int, ...]
-    devices_per_node: int | None
-    chips: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -57,43 +46,6 @@ class CollectiveCost:
     steps: int
     messages: int
     max_hops: int
-
-
-def choose_algorithm(kind: str, group: GroupLayout, topology: Topology, algorithm: str | None = None
-                     ) -> AlgorithmChoice:
-    """The algorithm the runtime would use for ``kind`` over ``group`` (or ``algorithm`` if given).
-
-    TPU torus: ``torus`` (dimension by dimension) when the group spans several physical dims,
-    ``bidir_ring`` on one dim with wraparound, ``ring`` on an open line. GPU: ``ring`` inside one
-    NVSwitch node or with one GPU per node, ``hierarchical`` when the group spans several nodes with
-    several GPUs in each (positions ordered by node, as NCCL orders its ranks); all_to_all on GPUs
-    posts every pair at once (``direct``)."""
-    chips = group.chips
-    dpn = None
-    shape: tuple[int, ...] = (group.size,)
-    if topology.kind == "gpu":
-        chips = tuple(sorted(chips, key=lambda c: (topology.node_of(c), c)))
-        dpn = group.per_node
-        if algorithm is None:
-            if kind == "all_to_all" or (group.nodes > 1 and group.per_node > 1):
-                algorithm = "hierarchical"
-            else:
-                algorithm = "ring"
-    else:
-        if len(group.factors) > 1:
-            shape = group.shape
-        if algorithm is None:
-            if len(group.factors) > 1:
-                algorithm = "torus"
-            elif group.is_ring and group.size > 2:
-                algorithm = "bidir_ring"
-            else:
-                algorithm = "ring"
-        if algorithm == "hierarchical":
-            dpn = group.size
-    if algorithm not in ALGORITHMS:
-        raise CollectiveError(f"unknown collective algorithm {algorithm!r} for {kind}; use one of {ALGORITHMS}")
-    return AlgorithmChoice(algorithm, shape, dpn, chips)
 
 
 def price_schedule(sched: CollectiveSchedule, chips: tuple[int, ...], topology: Topology) -> float:
@@ -180,18 +132,25 @@ class CommModel:
         group = self.placement.group(axes)
         if group.size == 1 or nbytes == 0:
             return None
-        choice = choose_algorithm(kind, group, self.placement.topology, self.requested(kind))
         isz = dtype_itemsize(dtype)
         if nbytes % isz:
             isz = math.gcd(nbytes, isz)
-        pairs = None
-        if kind == "collective_permute":
-            # pairs name group positions; the schedule's positions follow choice.chips (GPU: by node)
-            at = {c: i for i, c in enumerate(choice.chips)}
-            pairs = tuple((at[group.chips[s]], at[group.chips[d]]) for s, d in permute_pairs(dict(perm or ()), group.size))
-        sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
-                               devices_per_node=choice.devices_per_node, permutation=pairs)
-        return choice, sched
+        best: tuple[float, AlgorithmChoice, CollectiveSchedule] | None = None
+        options = candidates(kind, group, self.placement.topology, self.requested(kind))
+        for choice in options:
+            pairs = None
+            if kind == "collective_permute":
+                # pairs name group positions; the schedule's positions follow choice.chips (GPU: by node)
+                at = {c: i for i, c in enumerate(choice.chips)}
+                pairs = tuple((at[group.chips[s]], at[group.chips[d]])
+                              for s, d in permute_pairs(dict(perm or ()), group.size))
+            sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
+                                   devices_per_node=choice.devices_per_node, permutation=pairs)
+            t = _price(sched, choice.chips, self.placement.topology)[0] if len(options) > 1 else 0.0
+            if best is None or t < best[0]:
+                best = (t, choice, sched)
+        assert best is not None
+        return best[1], best[2]
 
     def _compute(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str,
                  perm: tuple | None) -> CollectiveCost:
