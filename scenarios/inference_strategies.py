@@ -22,9 +22,10 @@ mesh axis except ``model``.
   batch tiling reaches the residual stream backward through the cache update (``k = x @ w_k``),
   so every weight is all-gathered where it meets it. Heads first: the queries' heads tiling wins
   at the attention einsum and the cache is all-gathered there. In one tactic every seed claims
-  its neighbourhood before propagation runs on, which is the intended layout; the compiler
-  reports those meetings as conflicts within the tactic (a warning), and which seed wins
-  follows the pattern order (``tests/test_inference.py`` pins all three outcomes).
+  its neighbourhood before propagation runs on, which is the intended layout. The tactic says so
+  (``meet="reshard"``): the compiler records those meetings as intended conflicts, reshards there
+  and does not warn; which seed wins follows the pattern order (``tests/test_inference.py`` pins
+  all three outcomes).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def build(name: str, mesh: Mesh, cfg: Config | None = None) -> list[Tactic]:
             raise ScenarioError(f"strategy {name!r}: batch {cfg['batch']} is not divisible by the {MODEL_AXIS!r} "
                                 f"axis (size {mesh.axis_size(MODEL_AXIS)}); change --set batch=... or the mesh")
         tactics.append(ManualPartition({CACHE: 0, **_weights(name, mesh, cfg, kv_on_heads=False)}, axis=MODEL_AXIS,
-                                       name=f"mq:{MODEL_AXIS}"))
+                                       name=f"mq:{MODEL_AXIS}", meet="reshard"))
     elif "mp" in parts:
         tactics.append(ManualPartition(_weights(name, mesh, cfg, kv_on_heads=True), axis=MODEL_AXIS,
                                        name=f"mp:{MODEL_AXIS}"))

@@ -173,6 +173,30 @@ def test_mq_as_two_tactics_gathers_the_cache_or_the_weights():
     assert {tuple(e.outputs[0].shape) for e in by_cache} == weights - {(16, 4)}   # all but w_k, w_v
 
 
+def test_mq_says_its_seeds_meet_so_the_compiler_reshards_without_a_warning():
+    """``mq`` is one tactic whose seeds are meant to meet (``meet="reshard"``): the conflicts between
+    them are recorded as intended and resharded, not warned about ("split the tactic" would be the
+    wrong advice, see the test above). The same tactic with the default ``meet="warn"`` lowers to
+    the same program and warns, naming the tactic; an unknown ``meet`` is refused."""
+    import dataclasses
+
+    from partir_emu.errors import TacticError
+    exp = Experiment("inference", "mq", Mesh.parse("model=4"), overrides={"phase": "decode"})
+    (mq,) = exp.schedule
+    assert mq.meet == "reshard"
+    low = lower_program(exp.program, exp.mesh, [mq], {"1": "cache"})
+    assert low.warnings == []
+    intended = [c for c in low.final_state.conflicts if c.within_tactic]
+    assert intended and all(c.intended for c in intended)
+    assert "intended (meet=reshard)" in low.final_state.pretty()
+    plain = lower_program(exp.program, exp.mesh, [dataclasses.replace(mq, meet="warn")], {"1": "cache"})
+    assert [e.prim for e in plain.spmd.collectives()] == [e.prim for e in low.spmd.collectives()]
+    lines = plain.warnings
+    assert lines and all("tactic 'mq:model'" in ln and "split the tactic" in ln for ln in lines)
+    with pytest.raises(TacticError, match="meet='sometimes'"):
+        ManualPartition({"cache/*": 0}, axis="model", meet="sometimes")
+
+
 def test_mp_replicates_a_multi_query_cache_on_model():
     exp = Experiment("inference", "mp", Mesh.parse("model=4"))
     spmd = exp.lower().spmd

@@ -12,7 +12,9 @@ them, not by the user. Writing BP and ZeRO-3 as one ``ManualPartition`` (batch i
 parameters on the same axis) does this: a parameter's tiling reaches the activations before the
 batch's does, activations end up with ``d_model`` tiled by the batch axis, and the gradients are
 all-reduced instead of reduce-scattered. Such conflicts are flagged ``within_tactic`` and reported
-by :func:`warnings`, one line per (tactic, kind), with the count and the first example.
+by :func:`warnings`, one line per (tactic, kind), with the count and the first example, unless the
+tactic says its seeds are meant to meet (``ManualPartition(meet="reshard")``, e.g. multi-query
+sharding: the KV cache on batch, the queries on heads, resharded where they meet).
 """
 from __future__ import annotations
 
@@ -45,7 +47,9 @@ class Conflict:
 
     ``kind`` is a key of :data:`KINDS`; ``value``/``dim`` the value (and dim) that could not take
     the axis as wanted, if one did; ``tactic`` the label of the tactic whose propagation met it;
-    ``within_tactic``: both sides got the axis from that tactic (see the module docstring)."""
+    ``within_tactic``: both sides got the axis from that tactic (see the module docstring);
+    ``intended``: that tactic said its seeds are meant to meet (``ManualPartition(meet="reshard")``),
+    so the conflict is resharded without a warning."""
 
     axis: str
     eqn: int
@@ -55,6 +59,7 @@ class Conflict:
     dim: int | None = None
     tactic: str = ""
     within_tactic: bool = False
+    intended: bool = False
 
 
 def warnings(conflicts: Sequence[Conflict], program: Program, origin_of: dict[tuple[int, str], str]) -> list[str]:
@@ -64,7 +69,7 @@ def warnings(conflicts: Sequence[Conflict], program: Program, origin_of: dict[tu
     names = dict(zip(program.inputs, program.input_names))
     groups: dict[tuple[str, str], list[Conflict]] = {}
     for c in conflicts:
-        if c.within_tactic:
+        if c.within_tactic and not c.intended:
             groups.setdefault((c.tactic, c.kind), []).append(c)
     lines = []
     for (tactic, kind), cs in groups.items():

@@ -46,7 +46,7 @@ def apply_tactic(state: ShardingState, tactic: ManualPartition, index: int) -> N
     label = tactic.name or f"tactic {index} ({axis})"
     seeds = [p.inputs[i] for i, dim in tactic.resolve(p.input_names).items()
              if _seed(state, axis, label, i, dim)]
-    propagate(state, axis, seeds, label)
+    propagate(state, axis, seeds, label, intended=tactic.meet == "reshard")
     state.tactics_applied.append(label)
 
 
@@ -95,16 +95,19 @@ def _seed(state: ShardingState, axis: str, label: str, i: int, dim: object) -> b
     return True
 
 
-def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str) -> None:
-    """Carry ``axis`` from the ``seeds`` (values just tiled by it) to a fixed point."""
-    _Propagation(state, axis, label).run(seeds)
+def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str, intended: bool = False) -> None:
+    """Carry ``axis`` from the ``seeds`` (values just tiled by it) to a fixed point. ``intended``:
+    the tactic's seeds are meant to meet (``ManualPartition(meet="reshard")``); conflicts between
+    them are recorded as intended, not warned about."""
+    _Propagation(state, axis, label, intended).run(seeds)
 
 
 class _Propagation:
     """One axis, one tactic: the worklist and the conflicts already recorded."""
 
-    def __init__(self, state: ShardingState, axis: str, label: str) -> None:
+    def __init__(self, state: ShardingState, axis: str, label: str, intended: bool = False) -> None:
         self.state, self.index, self.axis, self.label = state, state.index, axis, label
+        self.intended = intended
         self.queue: deque[int] = deque()
         self.queued: set[int] = set()
         self.recorded = {(c.eqn, c.axis) for c in state.conflicts}
@@ -135,7 +138,8 @@ class _Propagation:
             self.recorded.add((e, self.axis))
             eqn = self.state.program.eqns[e]
             self.state.conflicts.append(Conflict(self.axis, e, f"{eqn.prim} at {eqn.source or '?'}: {met.reason}",
-                                                 met.kind, met.value, met.dim, self.label, met.within))
+                                                 met.kind, met.value, met.dim, self.label, met.within,
+                                                 met.within and self.intended))
 
     def _origin(self, v: Var | None) -> str:
         return "?" if v is None else self.state.origin.get((v.id, self.axis), "?")

@@ -208,7 +208,8 @@ class ShardingState:
         if self.conflicts:
             lines.append(f"conflicts ({len(self.conflicts)}; left unpropagated, resharded at lowering):")
             for c in self.conflicts:
-                mark = f" [within tactic {c.tactic!r}: a warning]" if c.within_tactic else ""
+                mark = (f" [within tactic {c.tactic!r}: {'intended (meet=reshard)' if c.intended else 'a warning'}]"
+                        if c.within_tactic else "")
                 lines.append(f"  [{c.eqn}] {c.axis}: {c.message}{mark}")
         return "\n".join(lines)
 

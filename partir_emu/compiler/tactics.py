@@ -44,10 +44,19 @@ class ManualPartition:
     # otherwise silently replicate a parameter). Set to True for schedules
     # written for several models at once.
     allow_unmatched: bool = False
+    # Where this tactic's own seeds meet with different tilings of one value: "warn" (a tactic's
+    # decisions are expected to agree, so a meeting means propagation order chose a tiling, see
+    # compiler.conflicts) or "reshard" (the meeting is the point: multi-query sharding tiles the KV
+    # cache on batch and the queries on heads, and wants the small operands resharded where they
+    # meet; the conflicts are recorded and resharded, not warned about).
+    meet: str = "warn"
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str):
             raise TacticError(f"ManualPartition axis must be a mesh axis name, got {self.axis!r}")
+        if self.meet not in ("warn", "reshard"):
+            raise TacticError(f"ManualPartition on axis {self.axis!r}: meet={self.meet!r}; use 'warn' (the default) or "
+                              "'reshard' (the tactic's seeds are meant to meet with different tilings)")
         for pat, dim in self.inputs.items():
             if not (dim is REPLICATED or (isinstance(dim, int) and not isinstance(dim, bool))):
                 raise TacticError(f"ManualPartition on axis {self.axis!r}: pattern {pat!r} maps to {dim!r}; "
