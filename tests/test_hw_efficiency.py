@@ -56,6 +56,23 @@ def test_small_streamed_dimension_overhead():
     assert eff("tpu-v4", 1, 128, 4096, 4096) < 0.6 * eff("tpu-v4", 1, 8192, 4096, 4096)
 
 
+def test_a_pass_streams_the_padded_dimension_once():
+    """Closed form on the TPU's weight-stationary MXU: a pass over ``m`` rows (padded to the 8-row
+    sublane tile ``S``) takes ``S + fill`` cycles for ``m`` useful rows, so the efficiency is
+    ``peak_fraction · m / (S + fill)``; the padding is not counted twice (decode at one row per
+    device costs 136 cycles a pass, not 8 · 129)."""
+    e = load_spec("tpu-v4").efficiency
+    tm, tn, tk = e.matmul_tile
+    assert e.matmul_fill_dim == "m"
+    for m in (1, 3, 8, 9, 16, 100, 4096):
+        S = -(-m // tm) * tm
+        assert eff("tpu-v4", 1, m, tn, tk) == pytest.approx(e.matmul_peak_fraction * m / (S + e.matmul_fill_elems),
+                                                           rel=1e-12), m
+    # one row costs as much time as eight (the sublane tile), not eight times as much per row
+    one, eight = eff("tpu-v4", 1, 1, tn, tk), eff("tpu-v4", 1, 8, tn, tk)
+    assert 1 * tn * tk / one == pytest.approx(8 * tn * tk / eight, rel=1e-12)
+
+
 @pytest.mark.parametrize("spec", PACKAGED)
 def test_hbm_fraction_is_monotone_with_its_limits(spec):
     e = load_spec(spec).efficiency

@@ -21,10 +21,11 @@
     (the MXU's 128×128 on TPU; a CTA tile on GPU): padded work is done and thrown away;
   - ``wave = tiles / (⌈tiles / units⌉ · units)`` with ``tiles = batch·⌈M/tm⌉·⌈N/tn⌉`` and
     ``units = matmul_wave_units`` (the SM count on GPU: the last wave runs partly empty; absent on TPU);
-  - ``fill = s / (s + matmul_fill_elems)`` where ``s`` is the dimension named by ``matmul_fill_dim``:
-    the per-pass pipeline fill that a short streamed dimension does not amortise (GPU: K, the
-    main loop's prologue/epilogue; TPU: M, the rows streamed through the weight-stationary MXU per
-    weight-tile load);
+  - ``fill = S / (S + matmul_fill_elems)`` where ``S`` is the dimension named by ``matmul_fill_dim``,
+    padded to its tile: the per-pass pipeline fill that a short streamed dimension does not amortise
+    (GPU: K, the main loop's prologue/epilogue; TPU: M, the rows streamed through the
+    weight-stationary MXU per weight-tile load). A pass takes ``S + fill`` for ``s`` useful rows, so
+    ``pad · fill = s / (S + fill)``: the padding is counted once;
 - vector units: ``vector_fraction`` of ``vector_flops_per_s``;
 - HBM: ``hbm_curve_mb`` / ``hbm_curve_fraction``: the achievable fraction of ``hbm_bw_bytes_per_s``
   by the bytes one kernel moves, interpolated linearly in ``log10(1 + MB)`` between the points
@@ -184,8 +185,11 @@ def matmul_efficiency(eff: EfficiencySpec, batch: np.ndarray, m: np.ndarray, n: 
             wave = tiles / (np.ceil(tiles / u) * u)
         else:
             wave = 1.0
-        s = m if eff.matmul_fill_dim == "m" else k
-        fill = s / (s + eff.matmul_fill_elems)
+        # a pass streams the *padded* dimension: its time is padded + fill, its useful share s/(padded +
+        # fill) = pad_s · padded/(padded + fill). Filling on the unpadded s would count the padding twice
+        # (M = 1 on an 8-row sublane tile: 8·129 cycles a pass instead of 8 + 128).
+        padded = tiles_m * tm if eff.matmul_fill_dim == "m" else tiles_k * tk
+        fill = padded / (padded + eff.matmul_fill_elems)
         e = eff.matmul_peak_fraction * pad * wave * fill
     return np.where(np.isfinite(e) & (e > 0), e, 1.0)       # empty dots: no time anyway
 
