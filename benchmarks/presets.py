@@ -30,7 +30,7 @@ from scenarios.common import get_scenario, list_scenarios  # noqa: E402
 RUNS: dict[str, dict[str, tuple[str, str]]] = {
     "mlp": {"full": ("bp+mp+z3", "batch=64,model=8")},
     "transformer": {"t32": ("bp+mp+z3", "batch=64,model=8"), "t48": ("bp+mp+z3", "batch=64,model=8")},
-    "inference": {"palm540b-decode": ("bp+mq", "batch=4,model=16"), "palm540b-prefill": ("bp+mq", "batch=4,model=16"),
+    "inference": {"palm540b-decode": ("mq+ws", "batch=4,model=16"), "palm540b-prefill": ("bp+mq", "batch=4,model=16"),
                   "palm62b-decode": ("bp+mq", "batch=4,model=16")},
     "gns": {"full": ("bp+edge", "batch=2,model=4"), "xl": ("bp+edge", "batch=2,model=32")},
     "unet": {"ddpm32": ("bp", "batch=8"), "ddpm256": ("bp+spatial+z3", "batch=16,spatial=4")},

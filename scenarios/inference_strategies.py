@@ -1,4 +1,4 @@
-"""The inference scenario's strategies: ``bp``, ``mp``, ``mq`` and ``bp+mp``, ``bp+mq``.
+"""The inference scenario's strategies: ``bp``, ``mp``, ``mq`` and ``bp+mp``, ``bp+mq``, ``mq+ws``.
 
 Input names: ``params/layer_i/attn/w_q`` …, ``cache/layer_i/k`` [batch, cache_len, kv_heads,
 head_dim], ``cache/pos``, ``batch/tokens`` (see :mod:`scenarios.inference`). Data axes are every
@@ -17,6 +17,11 @@ mesh axis except ``model``.
   (heads -> batch) and one of the attention output (batch -> heads); the residual stream ends
   sharded on batch (all_gather before the column-parallel matmuls, reduce_scatter after the
   row-parallel ones, the bytes of Megatron's all_reduce). Nothing gathers the cache or a weight.
+
+  ``mq+ws`` adds Pope et al.'s 2D weight-stationary layout (section 3.2.2) on the data axes: every
+  weight's d_model dim and the cache's batch dim, so the weights are spread over all chips (PaLM
+  540B fits 64 v4 chips only so) and only activations move: partial sums over d_model are
+  all-reduced or reduce-scattered, the queries resharded as in ``mq``.
 
   Why one tactic: as two tactics, the earlier one takes the whole program. Cache first: its
   batch tiling reaches the residual stream backward through the cache update (``k = x @ w_k``),
@@ -71,6 +76,27 @@ def _weights(name: str, mesh: Mesh, cfg: Config | None, *, kv_on_heads: bool) ->
     return out
 
 
+def _ws(name: str, mesh: Mesh, cfg: Config | None) -> list[ManualPartition]:
+    """Pope et al.'s 2D weight-stationary layout (section 3.2.2) on each data axis: every weight's
+    d_model dim (the embedding's too), and the KV cache on its batch dim as ``mq`` has it on ``model``."""
+    c = _cfg(cfg)
+    daxes = data_axes(mesh)
+    if cfg is not None:
+        group = mesh.group_size(daxes)
+        for size, what in ((c["d_model"], "d_model"), (c["batch"] // mesh.axis_size(MODEL_AXIS), "batch per model group")):
+            if size % group:
+                raise ScenarioError(f"strategy {name!r}: {what}={size} is not divisible by the data axes {daxes} "
+                                    f"(product {group}) of {mesh}; change --set or the mesh")
+    first, last = (("w_gate", "w_up"), "w_down") if c["mlp"] == "swiglu" else (("w_in",), "w_out")
+    dims: dict[str, int] = {CACHE: 0, "params/layer_*/attn/w_q": 0, "params/layer_*/attn/w_k": 0,
+                            "params/layer_*/attn/w_v": 0, "params/layer_*/attn/w_o": 1,
+                            f"params/layer_*/mlp/{last}": 1, "params/embed/*": 1, "params/*ln*/*": 0}
+    dims.update({f"params/layer_*/mlp/{w}": 0 for w in first})
+    if not c["tied"]:
+        dims["params/unembed/w"] = 0
+    return [ManualPartition(dims, axis=ax, name=f"ws:{ax}", meet="reshard", allow_unmatched=True) for ax in daxes]
+
+
 def build(name: str, mesh: Mesh, cfg: Config | None = None) -> list[Tactic]:
     """The tactics of ``name`` (module docstring): bp tactics first (one per data axis), then the
     ``model`` tactics."""
@@ -79,6 +105,9 @@ def build(name: str, mesh: Mesh, cfg: Config | None = None) -> list[Tactic]:
         _check_mesh(mesh, name, need_data=True, need_model=True)
         return [*_bp(name, mesh, cfg, False),
                 AutomaticPartition(MODEL_AXIS, inputs=("params/*", CACHE), name=f"auto:{MODEL_AXIS}")]
+    if parts == ["mq", "ws"]:       # multi-query attention on model, 2D weight-stationary on the data axes
+        _check_mesh(mesh, name, need_data=True, need_model=True)
+        return [*build("mq", mesh, cfg), *_ws(name, mesh, cfg)]
     if parts not in (["bp"], ["mp"], ["mq"], ["bp", "mp"], ["bp", "mq"]):
         raise ScenarioError(f"inference strategy {name!r} is not one of {', '.join(STRATEGY_NAMES)}")
     use_bp, use_mq = "bp" in parts, "mq" in parts
@@ -96,7 +125,7 @@ def build(name: str, mesh: Mesh, cfg: Config | None = None) -> list[Tactic]:
     return tactics
 
 
-STRATEGY_NAMES = ("bp", "mp", "mq", "bp+mp", "bp+mq", "bp+auto")
+STRATEGY_NAMES = ("bp", "mp", "mq", "bp+mp", "bp+mq", "mq+ws", "bp+auto")
 
 
 def _make(n: str) -> Strategy:

@@ -21,7 +21,7 @@ from scenarios.common import count_params
 SC = get_scenario("inference")
 PHASES = ("prefill", "decode")
 CASES = [("bp", "batch=4"), ("mp", "model=4"), ("mq", "model=4"), ("bp+mp", "batch=2,model=2"),
-         ("bp+mq", "batch=2,model=2"), ("bp+auto", "batch=2,model=2")]
+         ("bp+mq", "batch=2,model=2"), ("mq+ws", "batch=2,model=2"), ("bp+auto", "batch=2,model=2")]
 
 
 def test_registered_with_its_own_state():
@@ -148,6 +148,38 @@ def test_mq_moves_queries_and_attention_outputs_only(phase):
         assert all(len(v.shape) == 3 and v.shape[0] in (b, b // 4) for v in (*e.inputs, *e.outputs)
                    if e.prim != "all_to_all"), e
         assert not {tuple(v.shape) for v in (*e.inputs, *e.outputs)} & weights, e
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_mq_ws_shards_every_weight_on_both_axes_and_moves_activations_only(phase):
+    """Pope et al.'s 2D weight-stationary layout with multi-query attention (``mq+ws``): every
+    layer matrix is tiled on both axes (d_model by the data axis, heads or d_ff by ``model``), the
+    cache on batch by both, and no collective carries a weight or the cache: what moves is the
+    activations (and the norms' statistics), as in the paper's Fig. 4b/5."""
+    exp = Experiment("inference", "mq+ws", Mesh.parse("batch=2,model=2"), overrides={"phase": phase})
+    spmd = exp.lower().spmd
+    for i, name in enumerate(spmd.input_names):
+        if name.startswith("params/layer_") and len(spmd.program.inputs[i].shape) == 2 and "w_k" not in name \
+                and "w_v" not in name:
+            assert set(spmd.in_shardings[i].axes()) == {"batch", "model"}, (name, spmd.in_shardings[i])
+    for name, i in _cache_ins(spmd).items():
+        assert set(spmd.in_shardings[i].dims[0]) == {"batch", "model"}, (name, spmd.in_shardings[i])
+    weights = {tuple(shape) for n, shape in SC.input_shapes(exp.cfg).items() if n.startswith("params/")}
+    for e in spmd.collectives():
+        assert not {tuple(v.shape) for v in (*e.inputs, *e.outputs)} & weights, e
+    assert _collectives_touching_cache(spmd.collectives(), exp.cfg) == []
+
+
+def test_palm540b_decode_fits_64_chips_with_2d_weight_stationary():
+    """Pope et al. serve PaLM 540B on 64 TPU v4 chips: weights on all 64 (2D weight-stationary); ``bp+mq``
+    keeps a copy per data group and does not fit 32 GiB, ``mq+ws`` does (priced, not run)."""
+    from partir_emu.hwmodels import simulate
+    peak = {}
+    for st in ("bp+mq", "mq+ws"):
+        exp = Experiment("inference", st, Mesh.parse("batch=4,model=16"), "palm540b-decode")
+        peak[st] = simulate(exp.lower().spmd, "tpu-v4").peak_bytes_per_device
+    cap = 32 * 2**30
+    assert peak["mq+ws"] < cap < peak["bp+mq"], peak
 
 
 def _split(exp: Experiment, cache_first: bool) -> list:
