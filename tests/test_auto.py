@@ -206,7 +206,8 @@ def test_t48_as_a_loop_on_512_chips_beats_every_manual_strategy(case):
 
 
 @pytest.mark.parametrize("bad,match", [(dict(budget=0), "budget=0"), (dict(seconds=0), "seconds=0"),
-                                       (dict(rollouts=-1), "rollouts=-1"), (dict(memory_limit=0), "memory_limit=0"),
+                                       (dict(rollouts=-1), "rollouts=-1"), (dict(polish=-2), "polish=-2"),
+                                       (dict(memory_limit=0), "memory_limit=0"),
                                        (dict(inputs="nope/*"), "match no input")])
 def test_bad_search_settings_say_what_to_give(bad, match):
     with pytest.raises(TacticError, match=match):
@@ -218,3 +219,13 @@ def test_a_memory_limit_needs_a_cost_that_reports_memory():
         lowered("mlp", "tiny", "batch=2,model=2", "bp+auto",
                 AutomaticPartition("model", memory_limit=2**20, cost=lambda spmd: 1.0))
     assert "cannot be lowered" not in str(exc.value)
+
+
+def test_polish_generalises_a_decision_to_its_role_and_drops_decisions():
+    """The local descent after the tree (compiler.auto_search.polish): a family's role is the last two
+    components of its glob, so one block's convolution decision extends to every block's; its moves
+    are those generalisations first, then each decision dropped."""
+    from partir_emu.compiler.auto_search import role
+    assert role("params/up_*/block_*/conv2/w [3, 3, 256, 256]") == "conv2/w" == role("params/down_1/block_0/conv2/w")
+    assert role("params/mid/block_*/conv1/w") != role("params/mid/block_*/conv2/w")
+    assert role("batch/edges") == "batch/edges"

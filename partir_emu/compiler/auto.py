@@ -140,6 +140,8 @@ def _check(tactic: AutomaticPartition) -> None:
         raise TacticError(f"{tactic.describe()}: seconds={tactic.seconds!r}; give a positive time budget")
     if not (isinstance(tactic.rollouts, int) and tactic.rollouts >= 0):
         raise TacticError(f"{tactic.describe()}: rollouts={tactic.rollouts!r}; give 0 or more")
+    if not (isinstance(tactic.polish, int) and tactic.polish >= 0):
+        raise TacticError(f"{tactic.describe()}: polish={tactic.polish!r}; give 0 or more evaluations")
     if tactic.memory_limit is not None and not tactic.memory_limit > 0:
         raise TacticError(f"{tactic.describe()}: memory_limit={tactic.memory_limit!r}; give bytes per device "
                           "(> 0) or None for the cost model's capacity")

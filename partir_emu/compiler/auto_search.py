@@ -32,6 +32,10 @@ when the baseline does not fit, as at full size). A subtree whose leaves are all
 closed, so on a small space the search is exhaustive and exact. It stops at ``budget``
 evaluations, after ``seconds`` (the evaluation under way finishes), or when the tree is closed.
 
+**Polish.** Unless the tree was exhausted, :func:`polish` descends from its best: extend a
+decision to the other families of its kind, or drop one, while that is better, within ``polish``
+more evaluations (see its docstring).
+
 **Choice.** The best candidate is the cheapest that fits the memory limit (if none fits, the
 one that overflows least); a candidate replaces the best only if cheaper by more than 1e-9
 relatively, ties going to fewer decisions, then lower dims. Deterministic for a given budget and
@@ -46,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from partir_emu.compiler.auto_space import Price, Space, fingerprint, open_choices
+from partir_emu.compiler.auto_space import family as family_glob
 from partir_emu.compiler.lower import lower
 from partir_emu.compiler.propagate import apply_tactic
 from partir_emu.compiler.state import ShardingState
@@ -291,10 +296,63 @@ def run_search(ev: Evaluator, tactic: AutomaticPartition) -> Outcome:
             stopped = "time"
             break
         mcts.iterate(root)
-    cands = sorted({id(c): c for c, _ in ev.by_decisions.values()}.values(), key=lambda c: c.order)
     best = baseline
-    for c in cands:
-        if c.price is not None and better(c, best):
+    for c in _priced(ev):
+        if better(c, best):
             best = c
+    if tactic.polish > 0 and stopped != "exhausted":
+        best = polish(ev, best, ev.evaluations + tactic.polish, t0 + tactic.seconds)
+    cands = sorted({id(c): c for c, _ in ev.by_decisions.values()}.values(), key=lambda c: c.order)
     priced = [c for c in cands if c.price is not None]
     return Outcome(best, baseline, priced, ev.evaluations, time.perf_counter() - t0, mcts.nodes, stopped)
+
+
+def _priced(ev: Evaluator) -> list[Candidate]:
+    cands = sorted({id(c): c for c, _ in ev.by_decisions.values()}.values(), key=lambda c: c.order)
+    return [c for c in cands if c.price is not None]
+
+
+def role(label: str) -> str:
+    """What a family *is*, whatever block it sits in: the last two components of its glob (``conv2/w``
+    of ``params/up_*/block_*/conv2/w [3, 3, 256, 256]``), layer numbers starred."""
+    return "/".join(family_glob(label.split(" [", 1)[0]).split("/")[-2:])
+
+
+def _moves(ev: Evaluator, best: Candidate) -> list[dict[int, int]]:
+    """The neighbours :func:`polish` tries, generalisations first: each decision (family F on dim d)
+    extended to every open family of the same role, rank and a legal d (layers of one kind are
+    partitioned alike, as a tactic pattern like ``params/*/conv1/w`` says); then each decision dropped."""
+    fams = ev.space.families
+    open_dims = dict(ev.evaluate(best.decisions)[1])
+    out = []
+    for k, d in sorted(best.decisions.items()):
+        peers = [g for g, dims in sorted(open_dims.items()) if d in dims and role(fams[g].label) == role(fams[k].label)
+                 and len(fams[g].shape) == len(fams[k].shape)]
+        if peers:
+            out.append({**best.decisions, **{g: d for g in peers}})
+    if len(best.decisions) > 1:
+        out += [{f: d for f, d in best.decisions.items() if f != k} for k in sorted(best.decisions)]
+    return out
+
+
+def polish(ev: Evaluator, best: Candidate, budget: int, deadline: float) -> Candidate:
+    """Local descent from the tree's best over :func:`_moves` (generalise a decision to its role's
+    other families; drop a decision), keeping the best move while it is better, until none is or
+    ``budget`` evaluations or ``deadline`` are reached. Why: the tree decides families in a fixed
+    order and a limited budget reaches few of its subtrees: a decision taken high up (a large weight
+    family) is kept in every strategy below it, and the same decision for a small family of the same
+    kind far down may never be tried (on the GNS at full size the tree keeps node sharding next to
+    edge sharding; on a U-Net it shards some blocks' convolutions Megatron-style and not the rest)."""
+    improved = True
+    while improved:
+        improved = False
+        step_best = best
+        for dec in _moves(ev, best):
+            if ev.evaluations >= budget or time.perf_counter() >= deadline:
+                return step_best
+            c = ev.evaluate(dec)[0]
+            if c.price is not None and better(c, step_best):
+                step_best = c
+        if step_best is not best:
+            best, improved = step_best, True
+    return best

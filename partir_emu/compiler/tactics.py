@@ -86,7 +86,8 @@ class AutomaticPartition:
     (see :mod:`partir_emu.compiler.auto`), pricing each candidate with ``cost``, or else with the
     cost model the caller of ``partition``/``lower_program`` passes. The search stops after
     ``budget`` evaluations or ``seconds``; ``rollouts`` random completions are priced per new node
-    besides the node itself, drawn from ``seed``; ``memory_limit`` is bytes per device (None: the
+    besides the node itself, drawn from ``seed``; then up to ``polish`` more evaluations drop one
+    decision of the best at a time while that is cheaper; ``memory_limit`` is bytes per device (None: the
     cost model's capacity, e.g. the chip's HBM, when it reports one)."""
 
     axis: str
@@ -97,6 +98,7 @@ class AutomaticPartition:
     seconds: float = 40.0
     seed: int = 0
     rollouts: int = 0
+    polish: int = 16                  # evaluations of the local descent after the tree (compiler.auto_search)
     memory_limit: int | None = None
     cost: Callable[[SpmdProgram], Any] | None = None    # -> float or compiler.auto.Price
 
