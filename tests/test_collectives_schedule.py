@@ -177,7 +177,7 @@ def test_default_algorithm():
 
 @pytest.mark.parametrize("call,match", [
     (lambda: build_schedule("all_sum", (4,), 16), "unknown collective kind"),
-    (lambda: build_schedule("all_reduce", (4,), 16, "tree"), "unknown collective algorithm"),
+    (lambda: build_schedule("all_reduce", (4,), 16, "nope"), "unknown collective algorithm"),
     (lambda: build_schedule("all_gather", (4,), 12), "divisible by p"),
     (lambda: build_schedule("all_reduce", (4,), 10), "multiple of itemsize"),
     (lambda: build_schedule("all_reduce", (0, 4), 16), "group_shape"),

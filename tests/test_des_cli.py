@@ -18,7 +18,7 @@ def test_simulate_des_report_and_trace(tmp_path, capsys):
     assert "DES [" in cap.err                                  # --progress forces the bar
     d = json.loads(rep.read_text())
     assert {"analytical_s", "des_s", "rel_err", "step_s", "collectives", "link_utilization"} <= set(d)
-    assert d["des_s"] > d["analytical_s"]                       # the straggler and the slow link cost time
+    assert d["rel_err"] < 0.05                  # both models see the straggler and the slow link (fault_options)
     assert len(d["faults"]) == 2 and d["options"]["stragglers"] == {"3": 1.25}
     _check_chrome_trace(json.loads(tr.read_text()), d["des_s"], [0, 3])
 

@@ -89,7 +89,7 @@ def test_2d_torus_all_reduce_dimension_wise():
     assert pl.topology.wrap == (True, True)
     a_, b_ = 16, 16
     n = a_ * b_ * 2 * 1024 * 4
-    c = cost(pl, "all_reduce", ("x", "y"), n)
+    c = cost(pl, "all_reduce", ("x", "y"), n, "torus")
     assert c.algorithm == "torus"
     bw, lat = spec.network.link_bw_bytes_per_s, spec.network.link_latency_s
     expect = 2 * ((a_ - 1) * (lat + n / (2 * a_) / bw) + (b_ - 1) * (lat + n / (2 * a_ * b_) / bw))
@@ -103,7 +103,7 @@ def test_3d_torus_all_reduce_dimension_wise(dims):
     pl = place(mesh, spec, "a=x,b=y,c=z")
     assert pl.topology.dims == dims and pl.topology.wrap == (True, True, True)
     n = math.prod(dims) * 2 * 256 * 4
-    c = cost(pl, "all_reduce", ("a", "b", "c"), n)
+    c = cost(pl, "all_reduce", ("a", "b", "c"), n, "torus")
     bw, lat = spec.network.link_bw_bytes_per_s, spec.network.link_latency_s
     expect, shard = 0.0, n
     for d in dims:
@@ -130,7 +130,7 @@ def test_nvswitch_node():
     nv = spec.network
     pl = place(Mesh(model=8), spec)
     n = 8 * 4096 * 4
-    c = cost(pl, "all_reduce", ("model",), n)
+    c = cost(pl, "all_reduce", ("model",), n, "ring")
     assert c.algorithm == "ring"
     step = 2 * nv.nvlink_latency_s + n / 8 / nv.nvlink_bw_bytes_per_s
     assert c.time_s == pytest.approx(14 * step, rel=REL)
@@ -155,7 +155,7 @@ def test_hierarchical_across_nodes_same_leaf():
     spec = load_spec("h100")
     pl = place(Mesh(data=4, model=8), spec)
     n = 32 * 1024 * 4
-    c = cost(pl, "all_reduce", ("data", "model"), n)
+    c = cost(pl, "all_reduce", ("data", "model"), n, "hierarchical")
     assert c.algorithm == "hierarchical"
     assert c.time_s == pytest.approx(_hier_expect(spec.network, 8, 4, n, 2), rel=REL)
 
@@ -167,10 +167,10 @@ def test_hierarchical_fat_tree_vs_rail_optimized():
     mesh = Mesh(data=8, model=8)
     n = 64 * 1024 * 4
     fat = load_spec("h100")
-    c = cost(place(mesh, fat), "all_reduce", ("data", "model"), n)
+    c = cost(place(mesh, fat), "all_reduce", ("data", "model"), n, "hierarchical")
     assert c.time_s == pytest.approx(_hier_expect(fat.network, 8, 8, n, 4), rel=REL)
     rail = load_spec("h100", {"topology.fabric": "rail_optimized"})
-    c2 = cost(place(mesh, rail), "all_reduce", ("data", "model"), n)
+    c2 = cost(place(mesh, rail), "all_reduce", ("data", "model"), n, "hierarchical")
     assert c2.time_s == pytest.approx(_hier_expect(rail.network, 8, 8, n, 2), rel=REL)
 
 
@@ -182,7 +182,7 @@ def test_ring_across_nodes_one_gpu_per_node(q, hops):
     nv = spec.network
     pl = place(Mesh(data=q, model=8), spec)
     n = q * 1024 * 4
-    c = cost(pl, "all_reduce", ("data",), n)
+    c = cost(pl, "all_reduce", ("data",), n, "ring")
     assert c.algorithm == "ring"
     assert c.max_hops == hops
     expect = 2 * (q - 1) * (hops * nv.ib_latency_s + n / q / nv.nic_bw_bytes_per_s)

@@ -7,7 +7,6 @@ no arrays), which imports the compiler only when called.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from typing import Any
@@ -15,21 +14,22 @@ from typing import Any
 from partir_emu.app import checks
 from partir_emu.app.atomic import atomic_path
 from partir_emu.app.common import add_experiment_args, add_overlap_args, experiment_from_args, write_report
+from partir_emu.app.fault_options import add_fault_args, add_link_fault_args, fault_kwargs, link_fault_kwargs
 from partir_emu.app.phases import Phases
-from partir_emu.app.simulate_cli import parse_algorithms, parse_slice
+from partir_emu.app.simulate_cli import (
+    check_placement,
+    choose_placement,
+    parse_algorithms,
+    parse_slice,
+    placement_lines,
+)
 from partir_emu.app.validate_cases import get_suite, read_cases, run_suite
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace
-from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import simulate
 from partir_emu.hwmodels.des.model import DesOptions, simulate_des
 from partir_emu.hwmodels.des.replay import replay
-from partir_emu.hwmodels.placement import place
 from partir_emu.hwmodels.specs import load_spec
-
-
-class DesArgumentError(PartirError):
-    """A bad ``simulate-des`` / ``validate`` / ``replay`` command-line value."""
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -42,10 +42,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--network", choices=("flow", "chunk"), default="flow",
                    help="flow: max-min fair flows (default); chunk: store-and-forward chunks")
     p.add_argument("--chunk-bytes", type=checks.positive_int, default=1 << 20, help="chunk size for --network chunk")
-    p.add_argument("--comm-streams", type=checks.positive_int, default=1,
-                   help="collectives a device runs at once (default 1, as the analytical overlap model)")
-    p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR",
-                   help="device DEVICE computes FACTOR times slower (repeatable)")
+    add_fault_args(p, links=False)          # --comm-streams, --straggler (the link faults: _hardware_args)
     p.add_argument("--message-overhead", type=checks.nonnegative_seconds, default=0.0, metavar="SECONDS",
                    help="a sender posts the messages of a step one after another, this long each")
     p.add_argument("--merge-window", type=checks.nonnegative_seconds, default=50e-6, metavar="SECONDS",
@@ -61,10 +58,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_simulate_des)
 
     p = sub.add_parser("validate", help="analytical model vs DES on a suite of cases: errors, rankings, plot")
-    p.add_argument("--suite", default="default", help="suite name (default, quick; default %(default)s)")
+    p.add_argument("--suite", default="default", help="suite name (default, closed-form, quick; default %(default)s)")
     p.add_argument("--cases", default=None, metavar="FILE.jsonl",
                    help="run these cases instead (one JSON object per line: scenario, strategy, hardware, mesh, "
-                        "preset, overrides, placement, overlap)")
+                        "preset, overrides, placement, overlap, hw_overrides, slice_dims, comm_streams, "
+                        "stragglers, degraded_links, failed_links, mechanism)")
     p.add_argument("--report", default=None, metavar="FILE.json", help="write the JSON report here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the predicted-vs-simulated scatter")
     p.add_argument("--cache", default=None, metavar="DIR", help="keep lowered programs here between runs")
@@ -84,24 +82,7 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="tpu-v4", help="spec name or .toml path (default %(default)s)")
     p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...", help="e.g. model=x,batch=yz")
     p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC", help="TPU slice shape")
-    p.add_argument("--degrade-link", action="append", default=[], metavar="LINK:FACTOR",
-                   help="run LINK (A->B one way, A-B both ways, #ID) at FACTOR of its bandwidth (repeatable)")
-    p.add_argument("--fail-link", action="append", default=[], metavar="LINK",
-                   help="LINK carries nothing; routes detour around it (repeatable)")
-
-
-def _pairs(items: list[str], what: str, key_int: bool) -> dict:
-    out: dict = {}
-    for item in items:
-        k, sep, v = item.rpartition(":")
-        try:
-            if not sep or not math.isfinite(float(v)):
-                raise ValueError
-            out[int(k) if key_int else k] = float(v)
-        except ValueError:
-            raise DesArgumentError(f"{what} {item!r}: write {'DEVICE' if key_int else 'LINK'}:FACTOR, "
-                                   f"e.g. {'3:1.5' if key_int else '0->1:0.5'}") from None
-    return out
+    add_link_fault_args(p)
 
 
 def _check_paths(args: argparse.Namespace, *flags: str) -> None:
@@ -110,8 +91,7 @@ def _check_paths(args: argparse.Namespace, *flags: str) -> None:
 
 
 def _options(args: argparse.Namespace, **kw: Any) -> DesOptions:
-    return DesOptions(degraded_links=_pairs(args.degrade_link, "--degrade-link", False),
-                      failed_links=tuple(args.fail_link), **kw)
+    return DesOptions(**link_fault_kwargs(args), **kw)
 
 
 # -- simulate-des -----------------------------------------------------------------------------------------
@@ -119,8 +99,9 @@ def cmd_simulate_des(args: argparse.Namespace) -> int:
     _check_paths(args, "--report", "--trace")
     spec = load_spec(args.hardware)
     algorithms = parse_algorithms(args.algorithm)
-    options = _options(args, network=args.network, chunk_bytes=args.chunk_bytes, comm_streams=args.comm_streams,
-                       stragglers=_pairs(args.straggler, "--straggler", True),
+    faults = fault_kwargs(args)          # the same faults and streams for both models
+    options = _options(args, network=args.network, chunk_bytes=args.chunk_bytes, comm_streams=faults["comm_streams"],
+                       stragglers=faults["stragglers"],
                        message_overhead_s=args.message_overhead, merge_window_s=args.merge_window,
                        symmetry=not args.no_symmetry, trace=args.trace is not None,
                        trace_devices=args.trace_devices, top_links=args.top,
@@ -128,22 +109,29 @@ def cmd_simulate_des(args: argparse.Namespace) -> int:
     exp = experiment_from_args(args)
     checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, "simulate-des")
     checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
-    placement = place(exp.mesh, spec, args.placement, parse_slice(args.slice_dims))
+    slice_dims = parse_slice(args.slice_dims)
+    check_placement(exp.mesh, spec, args.placement, slice_dims)      # None (the default) = auto: searched
     with Phases("simulate-des", quiet=args.quiet) as phases:    # the DES then shows its own progress bar
         phases.phase("lowering")
         t0 = time.perf_counter()
         spmd = exp.lower().spmd
         lower_s = time.perf_counter() - t0
+        phases.phase("placing")
+        placed = choose_placement(spmd, spec, args.placement, overlap=args.overlap, slice_dims=slice_dims,
+                                  algorithms=algorithms, prefetch_bytes=args.prefetch_bytes, **faults)
+    placement = placed.placement                                    # the DES runs on the same placement
     ana = simulate(spmd, spec, placement, overlap=args.overlap, algorithms=algorithms,
-                   prefetch_bytes=args.prefetch_bytes)
+                   prefetch_bytes=args.prefetch_bytes, **faults)
     des = _des_with_trace(spmd, spec, placement, args, algorithms, options)
     err = (ana.step_s - des.step_s) / des.step_s if des.step_s > 0 else 0.0
     rep = {"scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg, "mesh": dict(exp.mesh.axes),
            "devices": exp.mesh.size, "hardware": spec.name, "lower_s": lower_s,
            "analytical_s": ana.step_s, "des_s": des.step_s, "rel_err": abs(err), "signed_err": err}
     rep.update(des.to_json(link_utilization=True))
+    rep.update(placed.to_json(ana.step_s))
     write_report(rep, args.report)
     print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}")
+    print("\n".join(placement_lines(rep)))
     print(des.table(top=args.top))
     print(f"\nanalytical: {ana.step_s * 1e3:.4f} ms   DES: {des.step_s * 1e3:.4f} ms   "
           f"(analytical - DES) / DES = {100 * err:+.2f}%")

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 from partir_emu.app import checks
 from partir_emu.app.common import (
@@ -22,13 +23,16 @@ from partir_emu.app.common import (
 )
 from partir_emu.app.exits import one_line
 from partir_emu.app.experiment import Experiment
+from partir_emu.app.fault_options import add_fault_args, fault_kwargs
 from partir_emu.app.phases import Phases
 from partir_emu.collectives.algorithms import ALGORITHMS
 from partir_emu.core.spmd import COMM_PRIMS
 from partir_emu.errors import PartirError, UsageError
-from partir_emu.hwmodels.analytical import SimReport, simulate
-from partir_emu.hwmodels.placement import place
+from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
+from partir_emu.hwmodels.placement import Placement, place
+from partir_emu.hwmodels.placement_search import PlacementChoice, resolve_placement
 from partir_emu.hwmodels.specs import HardwareSpec, TorusSpec, list_specs, load_spec
+from partir_emu.hwmodels.topology import topology_for
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -36,12 +40,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     add_experiment_args(p)
     p.add_argument("--hardware", default="tpu-v4", help="spec name (see `partir-emu hardware`) or a .toml path "
                    "(default %(default)s)")
-    p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...",
-                   help="mesh axes onto physical dims, e.g. model=x,batch=yz (GPU: model=gpu,batch=node); "
-                        "default: fill the physical dims in order")
+    add_placement_arg(p)
     p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC",
                    help="TPU slice shape, e.g. 8x8x8 (default: derived from the mesh / placement)")
     add_overlap_args(p)
+    add_fault_args(p)                     # --comm-streams, --straggler, --degrade-link, --fail-link
     p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",
                    help="collective algorithm for every kind (ring, bidir_ring, recursive, torus, hierarchical, "
                         "direct) or per kind, e.g. all_reduce=ring,all_gather=bidir_ring; default: as the runtime "
@@ -104,24 +107,31 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
     checks.check_output_path(getattr(args, "report", None), "--report")
     spec = load_spec(args.hardware)
     algorithms = parse_algorithms(args.algorithm)
+    faults = fault_kwargs(args)
     slice_dims = parse_slice(args.slice_dims)
     exp = experiment_from_args(args)
     checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, getattr(args, "cmd", "simulate"))
     checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
-    placement = place(exp.mesh, spec, args.placement, slice_dims)
+    check_placement(exp.mesh, spec, args.placement, slice_dims)
+    analyzer = Analyzer()
     with Phases(getattr(args, "cmd", "simulate"), quiet=getattr(args, "quiet", False)) as phases:
         phases.phase("lowering")
         t0 = time.perf_counter()
         low = exp.lower()
         t1 = time.perf_counter()
         print_warnings(low.warnings)     # a tactic whose own decisions conflict (compiler.conflicts)
+        phases.phase("placing")
+        placed = choose_placement(low.spmd, spec, args.placement, analyzer, overlap=args.overlap,
+                                  slice_dims=slice_dims, algorithms=algorithms, prefetch_bytes=args.prefetch_bytes,
+                                  **faults)       # the cheapest under the same streams and faults
         phases.phase("simulating")
         model_flops = model_flops_per_device(exp)
-        sim = simulate(low.spmd, spec, placement, overlap=args.overlap, prefetch_bytes=args.prefetch_bytes,
-                       algorithms=algorithms,
-                       model_flops=model_flops)
-        t2 = time.perf_counter()
+        sim = simulate(low.spmd, spec, placed.placement, overlap=args.overlap, prefetch_bytes=args.prefetch_bytes,
+                       algorithms=algorithms, analyzer=analyzer,
+                       model_flops=model_flops, **faults)
+        t2 = time.perf_counter()          # simulate_s: placing (the search) and simulating
     rep = sim.to_json()
+    rep.update(placed.to_json(sim.step_s))
     rep.update({
         "model_flops_per_device": model_flops,
         "scenario": exp.scenario_name, "strategy": exp.strategy, "size": exp.cfg,
@@ -142,6 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     size = ",".join(f"{k}={v}" for k, v in rep["size"].items())
     print(f"{rep['scenario']} / {rep['strategy']} on {rep['devices']} devices {rep['mesh']}  "
           f"[{rep['preset']}: {size}; {rep['params']:,} params]")
+    for line in placement_lines(rep):
+        print(line)
     print(sim.table(top=args.top))
     for auto in rep["auto"]:
         print("\n" + auto["text"])
@@ -150,6 +162,75 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.report:
         print(f"wrote {args.report}")
     return 0
+
+
+# -- placement (--placement auto | default | AXIS=DIMS,...) ---------------------------------------------
+def add_placement_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="auto", metavar="auto|default|AXIS=DIMS,...",
+                   help="mesh axes onto physical dims: auto (default: the cheapest of the legal placements, "
+                        "priced by the analytical model), default (fill the physical dims in order), or explicit, "
+                        "e.g. model=x,batch=yz, batch=x+y+z[4],model=z[4] (a part of a dim), GPU: model=gpu,batch=node")
+
+
+def check_placement(mesh, spec: HardwareSpec, text: str | None, slice_dims: tuple[int, ...] | None) -> None:
+    """A bad ``--placement`` or ``--slice`` fails here, before the (slow) lowering."""
+    if text is None or text.strip().lower() == "auto":
+        topology_for(spec, mesh.size, slice_dims)
+    else:
+        place(mesh, spec, text, slice_dims)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The placement a command runs on, how it was chosen, and its priced warnings."""
+
+    placement: Placement
+    mode: str                         # "auto" | "default" | "explicit"
+    choice: PlacementChoice | None    # the search, if one ran (auto, or to price a warning)
+    warnings: tuple[str, ...]
+
+    def to_json(self, step_s: float) -> dict:
+        return {"placement_mode": self.mode, "placement_mapping": self.placement.mapping_text(),
+                "placement_step_s": step_s, "placement_warnings": list(self.warnings),
+                "placement_search": self.choice.to_json() if self.choice is not None else None}
+
+
+def choose_placement(spmd, spec: HardwareSpec, text: str | None, analyzer: Analyzer | None = None, *,
+                     overlap: bool = False, slice_dims: tuple[int, ...] | None = None, **simulate_kwargs) -> Placed:
+    """``--placement`` resolved on the lowered program (``auto``: the search; see
+    :func:`~partir_emu.hwmodels.placement_search.resolve_placement`)."""
+    mode = ("auto" if text is None or text.strip().lower() == "auto"
+            else "default" if text.strip().lower() == "default" else "explicit")
+    placement, choice, warnings = resolve_placement(spmd, spec, text, analyzer, overlap, slice_dims,
+                                                    **simulate_kwargs)
+    return Placed(placement, mode, choice, tuple(warnings))
+
+
+def placement_lines(rep: dict) -> list[str]:
+    """The chosen placement, the runner-up (or the best found) with steps, and the priced warnings."""
+    search = rep.get("placement_search")
+    mode, mapping = rep.get("placement_mode", "default"), rep.get("placement_mapping") or rep.get("placement")
+    out: list[str] = []
+    if search is None:
+        out.append(f"placement ({mode}): {mapping}")
+    elif mode == "auto":
+        out.append(f"placement (auto): {search['mapping']}  step {search['step_s'] * 1e3:.4f} ms  "
+                   f"(cheapest of {len(search['candidates'])} placements, searched in {search['search_s'] * 1e3:.0f} ms)")
+        if search["runner_up"] is not None:
+            out.append(f"runner-up: {search['runner_up']}  step {search['runner_up_step_s'] * 1e3:.4f} ms  "
+                       f"({search['runner_up_step_s'] / search['step_s']:.2f}x)")
+        if search["default_mapping"] not in (search["mapping"], search["runner_up"], None):
+            out.append(f"default fill: {search['default_mapping']}  step {search['default_step_s'] * 1e3:.4f} ms  "
+                       f"({search['default_step_s'] / search['step_s']:.2f}x)")
+        out += [f"note: default fill avoided: {w}" for w in search["default_warnings"]]
+    else:
+        out.append(f"placement ({mode}): {mapping}  step {rep['placement_step_s'] * 1e3:.4f} ms")
+        out.append(f"best found: {search['mapping']}  step {search['step_s'] * 1e3:.4f} ms  "
+                   f"(of {len(search['candidates'])} placements, searched in {search['search_s'] * 1e3:.0f} ms)")
+    # auto already chose the cheapest: what is questionable about it is a note, not a warning
+    label = "note: chosen placement" if mode == "auto" else "warning: placement"
+    out += [f"{label}: {w}" for w in rep.get("placement_warnings", ())]
+    return out
 
 
 def model_flops_per_device(exp: Experiment) -> float:
@@ -234,5 +315,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-__all__ = ["add_subcommands", "cmd_simulate", "cmd_hardware", "model_flops_per_device", "parse_algorithms",
-           "parse_slice", "simulate_experiment"]
+__all__ = ["Placed", "add_placement_arg", "add_subcommands", "check_placement", "choose_placement", "cmd_hardware",
+           "cmd_simulate", "model_flops_per_device", "parse_algorithms", "parse_slice", "placement_lines",
+           "simulate_experiment"]

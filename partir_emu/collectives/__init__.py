@@ -2,8 +2,9 @@
 
 - ``schedule`` / ``transfers``: a :class:`CollectiveSchedule` is steps of point-to-point transfers
   (kept as flat arrays for built schedules);
-- ``patterns`` / ``algorithms``: every algorithm (ring, bidirectional ring, recursive, torus,
-  hierarchical) as a schedule, built by :func:`build_schedule`;
+- ``patterns`` / ``algorithms`` (with ``alg_torus``, ``alg_gpu``): every algorithm (ring,
+  bidirectional ring, recursive, torus, hierarchical, multidim torus, double binary tree, rail) as a
+  schedule, built by :func:`build_schedule`;
 - ``semantics``: the numpy meaning of each collective (the reference);
 - ``workspace`` / ``planner``: the work-buffer layout and the step plan both executors run;
 - ``local``: the in-process executor; ``mpi`` (imported on demand: it needs mpi4py), with

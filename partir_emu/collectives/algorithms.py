@@ -18,7 +18,20 @@ hierarchical    nodes of ``devices_per_node`` consecutive   ``'direct'`` (one st
                 positions: RS in node, ring across nodes,
                 AG in node; ``'ring'`` unless
                 ``1 < devices_per_node < p`` divides p
+multidim        data in one part per non-trivial dim, part  as ``torus``
+                ``j`` runs ``torus`` with the dims rotated
+                by ``j``, all parts in the same steps;
+                ``'bidir_ring'`` on one non-trivial dim
+tree            all_reduce: NCCL double binary tree,        ``'pairwise'``
+                pipelined; other kinds: ``'ring'``
+rail            as hierarchical (same positions talk        ``'direct'``
+                across nodes: one rail each) but one
+                NVSwitch step in node and recursive
+                halving/doubling across nodes
 ==============  ==========================================  ===========================================
+
+``multidim`` is in :mod:`~partir_emu.collectives.alg_torus`, ``tree`` and ``rail`` in
+:mod:`~partir_emu.collectives.alg_gpu`.
 
 collective_permute is always ``'direct'``: one step, ``src -> dst`` per pair.
 all_reduce accepts sizes not divisible by ``p`` (chunks split like
@@ -35,6 +48,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from partir_emu.collectives import alg_gpu, alg_torus
 from partir_emu.collectives.patterns import (
     ArrayStep,
     RawStep,
@@ -51,7 +65,8 @@ from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, check_per
 from partir_emu.collectives.transfers import TableSteps, TransferTable
 from partir_emu.errors import CollectiveError
 
-ALGORITHMS: tuple[str, ...] = ("ring", "bidir_ring", "recursive", "torus", "hierarchical")
+ALGORITHMS: tuple[str, ...] = ("ring", "bidir_ring", "recursive", "torus", "hierarchical", "multidim", "tree", "rail")
+NODE_ALGORITHMS: frozenset[str] = frozenset({"hierarchical", "rail"})   # those that need devices_per_node
 
 
 def build_schedule(kind: str, group_shape: tuple[int, ...], nbytes: int, algorithm: str = "ring", *,
@@ -88,7 +103,7 @@ def build_schedule(kind: str, group_shape: tuple[int, ...], nbytes: int, algorit
     if kind != "collective_permute" and permutation is not None:
         raise CollectiveError(f"permutation is only meaningful for collective_permute, not {kind}")
     actual = _resolve(kind, shape, algorithm, devices_per_node)
-    return _build(kind, shape, n, actual, itemsize, devices_per_node if actual == "hierarchical" else None, perm)
+    return _build(kind, shape, n, actual, itemsize, devices_per_node if actual in NODE_ALGORITHMS else None, perm)
 
 
 def default_algorithm(kind: str, group_shape: tuple[int, ...], devices_per_node: int | None = None) -> str:
@@ -129,21 +144,23 @@ def _check_shape(group_shape: Sequence[int]) -> tuple[int, ...]:
 def _resolve(kind: str, shape: tuple[int, ...], algorithm: str, dpn: int | None) -> str:
     """The algorithm actually built for a request (see the module table)."""
     p = math.prod(shape)
-    if algorithm == "hierarchical" and dpn is None:
+    if algorithm in NODE_ALGORITHMS and dpn is None:
         raise CollectiveError(
-            f"algorithm 'hierarchical' for {kind} over {shape} needs devices_per_node; pass it or pick another")
+            f"algorithm {algorithm!r} for {kind} over {shape} needs devices_per_node; pass it or pick another")
     if kind == "collective_permute":
         return "direct"
     multi_dim = sum(d > 1 for d in shape) >= 2
     if kind == "all_to_all":
-        if algorithm == "torus" and multi_dim:
+        if algorithm in ("torus", "multidim") and multi_dim:
             return "torus"
-        return "direct" if algorithm == "hierarchical" else "pairwise"
+        return "direct" if algorithm in NODE_ALGORITHMS else "pairwise"
     if algorithm == "recursive" and p & (p - 1):
         return "ring"
-    if algorithm == "torus" and not multi_dim:
+    if algorithm in ("torus", "multidim") and not multi_dim:
         return "bidir_ring"
-    if algorithm == "hierarchical" and not (1 < dpn < p and p % dpn == 0):
+    if algorithm in NODE_ALGORITHMS and not (1 < dpn < p and p % dpn == 0):
+        return "ring"
+    if algorithm == "tree" and (kind != "all_reduce" or p < 2):
         return "ring"
     return algorithm
 
@@ -154,15 +171,22 @@ def _split(n: int, k: int) -> list[int]:
     return [q + 1] * r + [q] * (k - r)
 
 
-def _layout(kind: str, algorithm: str, p: int, dpn: int | None) -> tuple[int, list[int]]:
+def _layout(kind: str, algorithm: str, shape: tuple[int, ...], dpn: int | None, nbytes: int
+            ) -> tuple[int, list[int]]:
     """``(m, layout)``: pieces per block and the chunk id of each piece, numbered so that
     what the algorithm moves together is a run of consecutive ids."""
+    p = math.prod(shape)
     if kind in ("all_to_all", "collective_permute"):
         n = p * p if kind == "all_to_all" else p
         return 1, list(range(n))
     if algorithm in ("bidir_ring", "torus"):  # piece (b, h) -> h*p + b: each direction's half is a run
         return 2, [h * p + b for b in range(p) for h in range(2)]
-    if algorithm == "hierarchical":  # block b -> (local index)*q + node: a node-local segment is a run
+    if algorithm == "multidim":
+        return alg_torus.multidim_layout(shape)
+    if algorithm == "tree":  # identity: tree A takes the first half of the chunks, tree B the second
+        m = alg_gpu.tree_layout(p, nbytes)
+        return m, list(range(p * m))
+    if algorithm in NODE_ALGORITHMS:  # block b -> (local index)*q + node: a node-local segment is a run
         q = p // dpn
         return 1, [(b % dpn) * q + b // dpn for b in range(p)]
     return 1, list(range(p))
@@ -172,7 +196,7 @@ def _layout(kind: str, algorithm: str, p: int, dpn: int | None) -> tuple[int, li
 def _build(kind: str, shape: tuple[int, ...], n: int, algorithm: str, itemsize: int, dpn: int | None,
            perm: tuple[tuple[int, int], ...] | None) -> CollectiveSchedule:
     p = math.prod(shape)
-    m, layout = _layout(kind, algorithm, p, dpn)
+    m, layout = _layout(kind, algorithm, shape, dpn, n * itemsize)
     if kind == "collective_permute":
         piece_elems = [n] * p
     elif kind == "all_to_all":
@@ -183,7 +207,11 @@ def _build(kind: str, shape: tuple[int, ...], n: int, algorithm: str, itemsize: 
     chunk_bytes[np.asarray(layout, np.int64)] = np.asarray(piece_elems, np.int64) * itemsize
     prefix = np.zeros(len(layout) + 1, np.int64)
     np.cumsum(chunk_bytes, out=prefix[1:])
-    table = _table(_RAW[kind](algorithm, shape, dpn, perm), prefix)
+    if algorithm == "tree":
+        raw = alg_gpu.tree_all_reduce(p, m, alg_gpu.tree_segments(p, n * itemsize))
+    else:
+        raw = _RAW[kind](algorithm, shape, dpn, perm)
+    table = _table(raw, prefix)
     return CollectiveSchedule(kind=kind, algorithm=algorithm, group_shape=shape, nbytes=n * itemsize,
                               num_chunks=len(layout), steps=TableSteps(table),
                               chunk_bytes=tuple(chunk_bytes.tolist()), itemsize=itemsize, permutation=perm,
@@ -230,25 +258,6 @@ def _flat(algorithm: str, p: int, gather: bool) -> Iterable[ArrayStep]:
     return ring_arrays(b, b, np.ones(p, np.int64), gather=gather)
 
 
-# ------------------------------------------------------------------- torus
-def _torus_phase(shape: tuple[int, ...], t: int, gather: bool) -> Iterable[ArrayStep]:
-    """All lines along dim ``t`` at once, each a bidirectional ring. Member ``v`` of a line
-    owns the blocks whose coords agree with it on dims ``< t`` and equal ``v`` on dim ``t``:
-    a run of ``prod(shape[t+1:])`` blocks in each half."""
-    p = math.prod(shape)
-    size = math.prod(shape[t + 1:])
-    idx = np.arange(p).reshape(shape)
-    # lines: every base with coordinate 0 on dim t, in row-major order; members along dim t
-    members = np.moveaxis(idx, t, -1).reshape(-1, shape[t])
-    los = (members // size) * size  # the member's index with dims > t zeroed
-    return bidir_ring_arrays(members, los, np.full(members.shape, size, np.int64), p + los, gather=gather)
-
-
-def _torus(shape: tuple[int, ...], gather: bool) -> Iterable[ArrayStep]:
-    dims = [t for t in range(len(shape)) if shape[t] > 1]
-    return itertools.chain.from_iterable(_torus_phase(shape, t, gather) for t in (reversed(dims) if gather else dims))
-
-
 # ------------------------------------------------------------ hierarchical
 def _hier(p: int, d: int, gather: bool) -> Iterable[ArrayStep]:
     """Node-local ring over segments (one run of q blocks per local index), then a ring
@@ -264,9 +273,13 @@ def _hier(p: int, d: int, gather: bool) -> Iterable[ArrayStep]:
 def _raw_one_way(algorithm, shape, dpn, gather: bool) -> Iterable[ArrayStep]:
     """all_gather (``gather``) or reduce_scatter: the same pattern, data flowing the other way."""
     if algorithm == "torus":
-        return _torus(shape, gather)
+        return alg_torus.torus(shape, gather)
+    if algorithm == "multidim":
+        return alg_torus.multidim(shape, gather)
     if algorithm == "hierarchical":
         return _hier(math.prod(shape), dpn, gather)
+    if algorithm == "rail":
+        return alg_gpu.rail(math.prod(shape), dpn, gather)
     return _flat(algorithm, math.prod(shape), gather)
 
 

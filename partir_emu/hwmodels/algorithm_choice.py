@@ -1,19 +1,21 @@
 """Which collective algorithm the runtime of each fabric uses, and where each schedule position runs.
 
-:func:`choose_algorithm` is the one place that picks an algorithm for a collective over a placed
-group; the analytical model prices the schedule it names, the DES replays it, and the executors
-run it (:mod:`partir_emu.collectives.algorithms` builds every schedule).
+:func:`candidates` lists the algorithms the runtime could use for a collective over a placed group
+(:func:`choose_algorithm` builds each: its group shape, nodes and chip order; the first is the
+fabric's usual default). The analytical model prices every candidate's schedule and keeps the
+cheapest, the DES replays that schedule, and the executors run it
+(:mod:`partir_emu.collectives.algorithms` builds every schedule).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partir_emu.collectives.algorithms import ALGORITHMS
+from partir_emu.collectives.algorithms import ALGORITHMS, NODE_ALGORITHMS
 from partir_emu.errors import CollectiveError
 from partir_emu.hwmodels.placement import GroupLayout
 from partir_emu.hwmodels.topology import Topology
 
-__all__ = ["AlgorithmChoice", "choose_algorithm"]
+__all__ = ["AlgorithmChoice", "candidates", "candidate_names", "choose_algorithm"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def choose_algorithm(kind: str, group: GroupLayout, topology: Topology, algorith
                 algorithm = "bidir_ring"
             else:
                 algorithm = "ring"
-        if algorithm == "hierarchical":
+        if algorithm in NODE_ALGORITHMS:
             dpn = group.size
     if algorithm not in ALGORITHMS:
         raise CollectiveError(f"unknown collective algorithm {algorithm!r} for {kind}; use one of {ALGORITHMS}")
@@ -68,5 +70,39 @@ def candidates(kind: str, group: GroupLayout, topology: Topology, algorithm: str
                ) -> list[AlgorithmChoice]:
     """The algorithms the runtime could use for ``kind`` over ``group``; the caller
     (:meth:`~partir_emu.hwmodels.comm.CommModel.schedule`) prices each on the placement and keeps the
-    cheapest (ties: the first). A requested ``algorithm`` is the only candidate."""
-    return [choose_algorithm(kind, group, topology, algorithm)]
+    cheapest (ties: the first, :func:`choose_algorithm`'s default). A requested ``algorithm`` is the
+    only candidate. The names are :func:`candidate_names`."""
+    if algorithm is not None:
+        return [choose_algorithm(kind, group, topology, algorithm)]
+    return [choose_algorithm(kind, group, topology, a) for a in candidate_names(kind, group, topology)]
+
+
+def candidate_names(kind: str, group: GroupLayout, topology: Topology) -> list[str]:
+    """The algorithm names :func:`candidates` offers, the default first.
+
+    - TPU torus, group over several physical dims: ``torus`` (one dim at a time) and ``multidim``
+      (every dim at once, the data split across them). One dim: the default only (``bidir_ring``
+      on a wrapped dim, ``ring`` on an open line).
+    - GPU all_reduce inside one node: also NCCL's double binary ``tree`` (``2 log2 p`` steps against
+      the ring's ``2(p-1)``: it wins below a few MiB). Across nodes the tree is available on request
+      but not a default candidate: its steps are uneven (some messages cross the spine, some not;
+      pipelined steps load links unevenly), so members run ahead of one another, and the lock-step
+      price (the sum of each step's slowest message) overstates it by 13-27 % against the DES
+      (measured on 8-64 H100); the even rail/hierarchical steps price exactly.
+    - GPU group over several nodes with several GPUs in each: ``hierarchical`` and ``rail``. A flat
+      ring is not offered there: it sends ``d`` times more bytes over each NIC than the
+      hierarchical forms (and would be expensive to price at thousands of GPUs).
+    - all_to_all and collective_permute: the default only.
+    """
+    first = choose_algorithm(kind, group, topology).algorithm
+    if kind in ("all_to_all", "collective_permute"):
+        return [first]
+    names = [first]
+    if topology.kind == "gpu":
+        if first == "hierarchical":
+            names.append("rail")
+        if kind == "all_reduce" and group.nodes == 1:
+            names.append("tree")
+    elif first == "torus":
+        names.append("multidim")
+    return names

@@ -12,7 +12,12 @@ equations, like every other pass):
   time and bytes count under its dominant equation (its dot, else its last
   reduction, else its last elementwise op); counts are of equations;
 - a communicating collective takes the price of its algorithm's schedule on the
-  placed topology (``comm.CommModel``);
+  placed topology, run by all its groups at once, each link shared by the messages that cross it
+  (``comm.CommModel``, :mod:`.contention`);
+- faults (:mod:`.links`): degraded links run at their factor of the bandwidth and failed links are
+  routed around (both change the collective prices); a straggler (``{device: factor}``) makes the
+  step follow the slowest device's timeline: every compute time × the largest factor (each device
+  waits for it at the collectives; the DES shows the finer picture);
 - without overlap the step is the sum of both; with ``overlap=True`` the schedule
   of :mod:`.overlap`: asynchronous collectives on one communication stream, issued
   by need (ZeRO-3 gathers prefetched within ``prefetch_bytes``), compute in program order;
@@ -40,6 +45,13 @@ from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.comm import CommModel, PriceCache
+from partir_emu.hwmodels.links import (
+    FaultError,
+    check_stragglers,
+    describe_stragglers,
+    link_factors,
+    straggler_scale,
+)
 from partir_emu.hwmodels.overlap import OverlapPlan
 from partir_emu.hwmodels.placement import Placement, place
 from partir_emu.hwmodels.pricing import Priced, collective_rows, price, totals
@@ -118,7 +130,7 @@ class Analyzer:
             return mapping
         try:
             key: tuple | None = (mesh.axes, spec, repr(mapping), tuple(slice_dims) if slice_dims is not None else None)
-            hit = self._placements.get(key)
+            hit = self._placements.get(key) if key is not None else None
         except TypeError:            # unhashable mapping values: build afresh
             key, hit = None, None
         if hit is not None:
@@ -131,10 +143,11 @@ class Analyzer:
         return placement
 
     def price(self, program: Program, spec: HardwareSpec, model: CommModel, overlap: bool,
-              prefetch_bytes: int | None = None) -> Priced:
+              prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0) -> Priced:
         """The times, step and memory of one run of ``program`` (:func:`.pricing.price`), on what this
         analyzer keeps."""
-        pr = price(self.entry(program), spec, model, overlap, prefetch_bytes)
+        pr = price(self.entry(program), spec, model, overlap, prefetch_bytes, comm_streams=comm_streams,
+                   compute_scale=compute_scale)
         self.eqns_priced += pr.walked
         return pr
 
@@ -142,11 +155,20 @@ class Analyzer:
                  placement: Placement | str | Mapping | None = None, overlap: bool = False, *,
                  algorithms: str | dict[str, str] | None = None,
                  slice_dims: tuple[int, ...] | None = None, prefetch_bytes: int | None = None,
-                 model_flops: float | None = None) -> SimReport:
+                 model_flops: float | None = None, comm_streams: int = 1,
+                 stragglers: Mapping[int, float] | None = None, degraded_links: Mapping[str, float] | None = None,
+                 failed_links: Sequence[str] = ()) -> SimReport:
         """As the module's :func:`simulate`, with what this analyzer keeps."""
         spec = self.spec(spec)
         placement = self.placement(spmd.mesh, spec, placement, slice_dims)
-        pr = self.price(spmd.program, spec, CommModel(placement, algorithms, self.prices), overlap, prefetch_bytes)
+        if int(comm_streams) != comm_streams or comm_streams < 1:
+            raise FaultError(f"comm_streams={comm_streams} must be a whole number >= 1")
+        slow = check_stragglers(stragglers, spmd.mesh.size)
+        factors = link_factors(placement.topology, degraded_links or {}, failed_links)
+        model = CommModel(placement, algorithms, self.prices, factors)
+        faults = tuple(model.fabric.router.describe_faults() + describe_stragglers(slow))
+        pr = self.price(spmd.program, spec, model, overlap, prefetch_bytes, int(comm_streams),
+                        straggler_scale(slow, spmd.mesh.size))
         tot = totals(pr, spec)
         mem = pr.memory
         step_s = pr.step_s
@@ -161,7 +183,7 @@ class Analyzer:
             by_collective=tot.by_coll, by_axes=tot.by_axes,
             hfu=tot.dot_flops / peak_s if peak_s > 0 else 0.0,
             mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
-            fusion=tot.fusion, collectives=tuple(collective_rows(pr)))
+            fusion=tot.fusion, collectives=tuple(collective_rows(pr)), faults=faults, comm_streams=int(comm_streams))
 
 
 DEFAULT_ANALYZER = Analyzer()
@@ -173,7 +195,9 @@ evaluations of a program stay cheap without any setup. Pass your own to own what
 def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement | str | Mapping | None = None,
              overlap: bool = False, *, algorithms: str | dict[str, str] | None = None,
              slice_dims: tuple[int, ...] | None = None, analyzer: Analyzer | None = None,
-             prefetch_bytes: int | None = None, model_flops: float | None = None) -> SimReport:
+             prefetch_bytes: int | None = None, model_flops: float | None = None, comm_streams: int = 1,
+             stragglers: Mapping[int, float] | None = None, degraded_links: Mapping[str, float] | None = None,
+             failed_links: Sequence[str] = ()) -> SimReport:
     """Predict one step of ``spmd`` on ``spec`` hardware.
 
     ``placement``: a :class:`Placement`, a mapping string such as ``"model=x,batch=yz"`` (or dict), or
@@ -183,7 +207,12 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
     ``prefetch_bytes``: with overlap, the ZeRO-3 all-gather bytes in flight ahead of need (default:
     one FSDP unit, :mod:`.overlap`; 0: gather on demand); the peak memory counts them.
     ``model_flops``: the model's FLOPs per device per step (``Scenario.model_flops``: 6·N per token plus
-    attention, no recompute); gives ``mfu`` (else ``None``). ``hfu`` counts the program's matmul FLOPs."""
+    attention, no recompute); gives ``mfu`` (else ``None``). ``hfu`` counts the program's matmul FLOPs.
+    ``comm_streams``: with overlap, how many collectives may run at once (:mod:`.overlap`).
+    Faults (:mod:`.links`; bad values raise :class:`~.links.FaultError`): ``stragglers`` ``{device:
+    factor}`` (compute ``factor`` x slower), ``degraded_links`` ``{"A->B" | "A-B" | "#id": factor}``,
+    ``failed_links`` (names; routes detour around them). The report lists them in ``faults``."""
     return (analyzer if analyzer is not None else DEFAULT_ANALYZER).simulate(
         spmd, spec, placement, overlap, algorithms=algorithms, slice_dims=slice_dims, prefetch_bytes=prefetch_bytes,
-        model_flops=model_flops)
+        model_flops=model_flops, comm_streams=comm_streams, stragglers=stragglers, degraded_links=degraded_links,
+        failed_links=failed_links)

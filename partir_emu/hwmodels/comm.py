@@ -10,13 +10,14 @@ messages cross:
   (links are directed: the two directions of a cable do not share);
 - a step takes as long as its slowest message; a collective is the sum of its steps.
 
+Every group of the collective runs the schedule at once (as in the DES), so the ``k`` messages of a
+step on a link are counted over *all* groups (:mod:`.contention`): two groups whose rings share a
+torus dimension each get half of its links. Faults (``link_factors``: degraded links at a fraction
+of their bandwidth, failed links routed around, :mod:`.links`) change the routes and bandwidths.
+
 A collective_permute is one step in which every source sends its whole block to its target
 (its ``perm``, :func:`~partir_emu.core.spmd.permute_spec`, names the pairs): ``alpha + bytes / bw``
 over each message's route, shared where messages cross one link.
-
-All groups of one collective have the same shape, so one representative group
-(the one holding device 0) is priced. Contention *between* the concurrent groups
-of a collective is modelled only by the DES.
 
 A :class:`CommModel` remembers the prices it computed; give several of them one
 :class:`PriceCache` (as :class:`~partir_emu.hwmodels.analytical.Analyzer` does) to keep
@@ -25,13 +26,18 @@ the prices between evaluations.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from partir_emu.collectives.algorithms import build_schedule
 from partir_emu.collectives.schedule import CollectiveSchedule
 from partir_emu.core.ir import itemsize as dtype_itemsize
 from partir_emu.core.spmd import permute_pairs
 from partir_emu.hwmodels.algorithm_choice import AlgorithmChoice, candidates
+from partir_emu.hwmodels.contention import Fabric
+from partir_emu.hwmodels.links import Router
 from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.topology import Topology
 
@@ -49,37 +55,16 @@ class CollectiveCost:
 
 
 def price_schedule(sched: CollectiveSchedule, chips: tuple[int, ...], topology: Topology) -> float:
-    """Seconds the schedule takes with position ``i`` on chip ``chips[i]`` (alpha–beta per step)."""
-    return _price(sched, chips, topology)[0]
-
-
-def _price(sched: CollectiveSchedule, chips: tuple[int, ...], topology: Topology) -> tuple[float, int, int]:
-    route = topology.route_tuple
-    total = 0.0
-    nmsg = 0
-    max_hops = 0
-    for msgs in sched.messages():
-        routes = [route(chips[m.src], chips[m.dst]) for m in msgs]
-        load: dict[int, int] = {}
-        for r in routes:
-            for lk in r:
-                load[lk.id] = load.get(lk.id, 0) + 1
-        step = 0.0
-        for m, r in zip(msgs, routes):
-            if not r:
-                continue
-            bw = min(lk.bw_bytes_per_s / load[lk.id] for lk in r)
-            t = sum(lk.latency_s for lk in r) + m.nbytes / bw
-            step = max(step, t)
-            max_hops = max(max_hops, len(r))
-        nmsg += len(msgs)
-        total += step
-    return total, nmsg, max_hops
+    """Seconds the schedule takes run by ONE group, position ``i`` on chip ``chips[i]`` (alpha–beta per
+    step, links shared only between this group's messages; no faults)."""
+    return Fabric(topology).price(sched, 0, np.array([chips], dtype=np.int64))[0]
 
 
 class PriceCache:
-    """Collective prices kept between evaluations: per placement (by its hashable ``Placement.key``:
-    topology, mesh and factors), the cost of each (kind, axes, nbytes, dtype, requested algorithm).
+    """Collective prices kept between evaluations: per placement and faults (the hashable
+    ``Placement.key``: topology, mesh and factors, plus the link factors of any faults), the cost of
+    each (kind, axes, nbytes, dtype, requested algorithm, perm), and the :class:`~.contention.Fabric`
+    (routes, step patterns) they were priced on.
 
     At most ``max_placements`` placements are kept; past that the cache starts afresh (a search over
     placements would otherwise grow it without bound)."""
@@ -87,6 +72,24 @@ class PriceCache:
     def __init__(self, max_placements: int = 64) -> None:
         self.max_placements = max_placements
         self._by_placement: dict[tuple, dict[tuple, CollectiveCost]] = {}
+        self._fabrics: dict[tuple, Fabric] = {}
+        self._routers: dict[tuple, Router] = {}
+
+    def fabric(self, key: tuple, placement: Placement, link_factors: Mapping[int, float]) -> Fabric:
+        """The fabric of the placement with ``key`` (made once); placements on one topology with the same
+        faults share its :class:`~.links.Router` (and the routes it has found)."""
+        fab = self._fabrics.get(key)
+        if fab is None:
+            if len(self._fabrics) >= self.max_placements:
+                self._fabrics.clear()
+                self._routers.clear()
+            topo = placement.topology
+            rkey = (topo.key, tuple(sorted(link_factors.items())))
+            router = self._routers.get(rkey)
+            if router is None:
+                router = self._routers[rkey] = Router(topo, link_factors)
+            fab = self._fabrics[key] = Fabric(topo, link_factors, placement, router)
+        return fab
 
     def for_placement(self, key: tuple) -> dict[tuple, CollectiveCost]:
         """The (mutable) table of prices on the placement with ``key``."""
@@ -99,18 +102,50 @@ class PriceCache:
 
     def clear(self) -> None:
         self._by_placement.clear()
+        self._fabrics.clear()
+        self._routers.clear()
 
 
 class CommModel:
     """Prices collectives over mesh axes on one placement; remembers each price by
     (kind, axes, nbytes, dtype, algorithm, perm), in ``prices`` when given (shared between models).
-    ``perm`` is a collective_permute's :func:`~partir_emu.core.spmd.permute_spec` (None for the others)."""
+    ``perm`` is a collective_permute's :func:`~partir_emu.core.spmd.permute_spec` (None for the others).
+    ``link_factors``: ``{link id: bandwidth factor}`` of faulty links (0 = failed;
+    :func:`~.links.link_factors` builds it from link names); the prices are kept apart per faults."""
 
     def __init__(self, placement: Placement, algorithms: str | dict[str, str] | None = None,
-                 prices: PriceCache | None = None) -> None:
+                 prices: PriceCache | None = None, link_factors: Mapping[int, float] | None = None) -> None:
         self.placement = placement
         self.algorithms = algorithms
-        self._cache = (prices if prices is not None else PriceCache()).for_placement(placement.key)
+        self.link_factors = dict(link_factors or {})
+        cache = prices if prices is not None else PriceCache()
+        key = placement.key
+        if self.link_factors:
+            key = (*key, ("faults", tuple(sorted(self.link_factors.items()))))
+        self._cache = cache.for_placement(key)
+        self.fabric = cache.fabric(key, placement, self.link_factors)
+
+    @property
+    def link_bw(self) -> np.ndarray:
+        """Effective bandwidth of each directed link id, bytes/s (degraded factors applied, failed 0)."""
+        return self.fabric.link_bw
+
+    def link_bytes(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32",
+                   perm: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(link ids int64, bytes float64)``: the bytes this collective moves over each directed link,
+        summed over all its steps and all its groups, on the routes it is priced on (faults included).
+        Links it does not use are left out. Kept per collective (the arrays are shared: do not modify)."""
+        key = (kind, axes, nbytes, dtype, self.requested(kind), perm)
+        hit = self.fabric.link_bytes_cache.get(key)
+        if hit is None:
+            built = self.schedule(kind, axes, nbytes, dtype, perm)
+            if built is None:
+                hit = (np.zeros(0, np.int64), np.zeros(0))
+            else:
+                choice, sched = built
+                hit = self.fabric.link_bytes(sched, *self.fabric.groups(axes, choice.chips))
+            self.fabric.link_bytes_cache[key] = hit
+        return hit
 
     def requested(self, kind: str) -> str | None:
         a = self.algorithms
@@ -146,7 +181,7 @@ class CommModel:
                               for s, d in permute_pairs(dict(perm or ()), group.size))
             sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
                                    devices_per_node=choice.devices_per_node, permutation=pairs)
-            t = _price(sched, choice.chips, self.placement.topology)[0] if len(options) > 1 else 0.0
+            t = self._price(axes, choice, sched)[0] if len(options) > 1 else 0.0
             if best is None or t < best[0]:
                 best = (t, choice, sched)
         assert best is not None
@@ -158,5 +193,10 @@ class CommModel:
         if built is None:
             return CollectiveCost(kind, "none", self.placement.group(axes).size, nbytes, 0.0, 0, 0, 0)
         choice, sched = built
-        t, nmsg, hops = _price(sched, choice.chips, self.placement.topology)
+        t, nmsg, hops = self._price(axes, choice, sched)
         return CollectiveCost(kind, sched.algorithm, len(choice.chips), nbytes, t, sched.num_steps, nmsg, hops)
+
+    def _price(self, axes: tuple[str, ...], choice: AlgorithmChoice, sched: CollectiveSchedule
+               ) -> tuple[float, int, int]:
+        """(seconds, messages of one group, longest route) of ``sched`` run by every group over ``axes``."""
+        return self.fabric.price(sched, *self.fabric.groups(axes, choice.chips))

@@ -11,9 +11,14 @@ keeps its route but runs at ``factor`` x its bandwidth.
 
 The analytical model prices collectives on these routes and bandwidths; the DES
 (:mod:`.des.routing`) builds its flow patterns from the same :class:`Router`.
+
+A *straggler* (``{device: factor}``) computes ``factor`` x slower; :func:`straggler_scale` is what the
+analytical model makes of it (every device waits for the slowest at its collectives, so the step
+runs on the slowest device's compute times).
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -86,6 +91,7 @@ class Router:
         self.rerouted: dict[tuple[int, int], tuple[int, ...]] = {}
         self._routes: dict[tuple[int, int], tuple[int, ...]] = {}
         self._adj: dict[Node, list[Link]] | None = None
+        self._torus: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # coords, step link, next chip
 
     @property
     def num_links(self) -> int:
@@ -101,6 +107,74 @@ class Router:
             self._routes[key] = r
         return r
 
+    def route_matrix(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The routes of flows ``src[f] -> dst[f]`` (chips) as an ``[F, hops]`` link-id matrix, ``-1``
+        padded: the routes :meth:`route` gives, computed with array operations on a torus (dimension
+        order, the shorter way round a wrapped dim, ties the + way), one by one elsewhere and for
+        the flows a failed link reroutes."""
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        if self.topology.kind != "torus":
+            return _matrix([self.route(s, d) for s, d in zip(src.tolist(), dst.tolist())])
+        out = self._torus_matrix(src, dst)
+        if self.failed:
+            bad = np.flatnonzero(np.isin(out, np.fromiter(self.failed, np.int64)).any(axis=1))
+            if bad.size:
+                fix = _matrix([self.route(s, d) for s, d in zip(src[bad].tolist(), dst[bad].tolist())])
+                if fix.shape[1] > out.shape[1]:
+                    out = np.concatenate((out, np.full((len(out), fix.shape[1] - out.shape[1]), -1, np.int64)), 1)
+                out[bad] = -1
+                out[bad, :fix.shape[1]] = fix
+        return out
+
+    def _torus_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per chip: its coordinates, and per (dim, + / -) the link to its neighbour and that neighbour
+        (-1 where an open dim ends)."""
+        if self._torus is None:
+            topo = self.topology
+            n, D = topo.num_chips, len(topo.dims)
+            coords = np.array([topo.coords(c) for c in range(n)], dtype=np.int64).reshape(n, D)
+            step = np.full((n, D, 2), -1, dtype=np.int64)
+            nxt = np.full((n, D, 2), -1, dtype=np.int64)
+            for c in range(n):
+                cc = coords[c].tolist()
+                for d, s in enumerate(topo.dims):
+                    for k, inc in enumerate((1, -1)):
+                        m = cc[d] + inc
+                        if not 0 <= m < s:
+                            if not topo.wrap[d]:
+                                continue
+                            m %= s
+                        if m == cc[d]:
+                            continue
+                        other = topo.chip_at(tuple(cc[:d] + [m] + cc[d + 1:]))
+                        step[c, d, k] = topo.link(c, other).id
+                        nxt[c, d, k] = other
+            self._torus = (coords, step, nxt)
+        return self._torus
+
+    def _torus_matrix(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        topo = self.topology
+        coords, step, nxt = self._torus_tables()
+        dims = np.array(topo.dims, dtype=np.int64)
+        wrap = np.array(topo.wrap, dtype=bool)
+        delta = coords[dst] - coords[src]                                  # [F, D]
+        around = np.mod(delta, dims)
+        around = np.where(around > dims - around, around - dims, around)  # shorter way; a tie goes +
+        delta = np.where(wrap[None, :], around, delta)
+        n = np.abs(delta)
+        out = np.full((len(src), max(int(n.sum(axis=1).max(initial=0)), 1)), -1, dtype=np.int64)
+        cur = src.copy()
+        pos = np.zeros(len(src), dtype=np.int64)
+        for d in range(len(topo.dims)):
+            way = (delta[:, d] < 0).astype(np.int64)                       # 0: + link, 1: - link
+            for k in range(int(n[:, d].max(initial=0))):
+                f = np.flatnonzero(n[:, d] > k)
+                out[f, pos[f]] = step[cur[f], d, way[f]]
+                cur[f] = nxt[cur[f], d, way[f]]
+                pos[f] += 1
+        return out
+
     def _detour(self, src: int, dst: int) -> tuple[int, ...]:
         if self._adj is None:
             self._adj = {}
@@ -108,12 +182,12 @@ class Router:
                 if lk.id not in self.failed:
                     self._adj.setdefault(lk.src, []).append(lk)
         prev: dict[Node, Link | None] = {src: None}
-        todo = deque([src])
+        todo: deque[Node] = deque([src])
         while todo:
-            node = todo.popleft()
-            if node == dst:
+            here = todo.popleft()
+            if here == dst:
                 break
-            for lk in self._adj.get(node, ()):
+            for lk in self._adj.get(here, ()):
                 if lk.dst not in prev:
                     prev[lk.dst] = lk
                     todo.append(lk.dst)
@@ -123,10 +197,11 @@ class Router:
                                 f"{self.topology.describe()}; fail fewer links")
         path = []
         node: Node = dst
-        while prev[node] is not None:
-            lk = prev[node]
-            path.append(lk.id)
-            node = lk.src
+        step = prev[node]
+        while step is not None:
+            path.append(step.id)
+            node = step.src
+            step = prev[node]
         return tuple(reversed(path))
 
     def describe_faults(self) -> list[str]:
@@ -135,6 +210,18 @@ class Router:
             lk = self.topology.links[lid]
             out.append(f"{lk} ({'failed' if f == 0 else f'x{f:g} bandwidth'})")
         return out
+
+
+def _matrix(routes: list[tuple[int, ...]]) -> np.ndarray:
+    """Routes as a ``-1`` padded ``[F, hops]`` matrix."""
+    out = np.full((len(routes), max(max(map(len, routes), default=0), 1)), -1, dtype=np.int64)
+    by_len: dict[int, list[int]] = {}
+    for f, r in enumerate(routes):
+        by_len.setdefault(len(r), []).append(f)
+    for h, fs in by_len.items():
+        if h:
+            out[fs, :h] = np.array([routes[f] for f in fs], dtype=np.int64).reshape(len(fs), h)
+    return out
 
 
 def link_factors(topology: Topology, degraded: Mapping[str, float] | Iterable[tuple[str, float]] = (),
@@ -152,3 +239,36 @@ def link_factors(topology: Topology, degraded: Mapping[str, float] | Iterable[tu
         for lk in parse_links(str(name), topology):
             out[lk.id] = 0.0
     return out
+
+
+def check_stragglers(stragglers: Mapping[int, float] | None, num_devices: int) -> dict[int, float]:
+    """``{device: slow-down factor}``, checked: devices of the mesh (``0 .. num_devices - 1``), finite
+    factors > 0 (< 1 is a faster device)."""
+    out: dict[int, float] = {}
+    for d, f in (stragglers or {}).items():
+        try:
+            ok = int(d) == d and float(f) > 0 and math.isfinite(float(f))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise FaultError(f"straggler {d}:{f}: give a device number >= 0 and a finite slow-down factor > 0 "
+                             f"(e.g. 3:1.5)")
+        if not 0 <= int(d) < num_devices:
+            raise FaultError(f"straggler device {d} is not in the mesh (devices 0..{num_devices - 1})")
+        out[int(d)] = float(f)
+    return out
+
+
+def straggler_scale(stragglers: Mapping[int, float], num_devices: int) -> float:
+    """The factor on every compute time that the analytical model applies for ``stragglers``: the
+    slowest device's (every device waits for it at each collective, so the step follows its
+    timeline). A device not listed runs at 1, so faster-than-nominal devices change nothing unless
+    every device is listed."""
+    if not stragglers:
+        return 1.0
+    worst = max(stragglers.values())
+    return worst if len(stragglers) >= num_devices else max(1.0, worst)
+
+
+def describe_stragglers(stragglers: Mapping[int, float]) -> list[str]:
+    return [f"device {d} (x{f:g} compute time)" for d, f in sorted(stragglers.items())]

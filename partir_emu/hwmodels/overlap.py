@@ -8,6 +8,8 @@ Collectives are asynchronous (start/done). A device runs
 - a **communication stream**: one collective at a time. When it is free it starts, among the
   collectives that are *ready*, the one needed first: priority = the program position of its
   first consumer (XLA's latency-hiding scheduler and NCCL's stream do this; not program order).
+  With ``comm_streams = k`` there are ``k`` such streams and collectives in flight together share
+  links (:mod:`.streams`, :mod:`.concurrency`).
 
 Readiness of collective ``c``: the compute stream has *reached* position ``ready_pos[c]`` (every
 compute equation before that index finished) and the collectives producing its operand are done.
@@ -62,7 +64,9 @@ import numpy as np
 from partir_emu.core.analysis import dependencies
 from partir_emu.core.ir import Program, Var
 from partir_emu.errors import UsageError
+from partir_emu.hwmodels.concurrency import Contention
 from partir_emu.hwmodels.memory import MemoryProfile, breakdown_at, prefetch_peak
+from partir_emu.hwmodels.streams import issue_streams
 
 VIEW_PRIMS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim", "squeeze",
                         "expand_dims", "copy", "reduce_sum", "reduce_max", "reduce_min"})
@@ -290,33 +294,50 @@ class Schedule:
     step_s: float
     start: list[float]            # per collective
     finish: list[float]
-    order: list[int]              # collectives in the order the communication stream issued them
+    order: list[int]              # collectives in the order the communication streams issued them
     ready_pos: tuple[int, ...]    # per collective (with the budget used)
     compute_finish: np.ndarray    # per equation: when the compute stream finished it (collectives: 0 length)
+    stream: list[int] | None = None   # per collective: its communication stream (None: all on stream 0)
+    streams: int = 1              # communication streams the schedule was made for
 
 
-def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = None) -> Schedule:
+def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = None, comm_streams: int = 1,
+             contention: Contention | None = None, keys: Sequence[int] | None = None) -> Schedule:
     """The list schedule of the module docstring on per-equation ``times`` (collectives' entries are
-    their durations; compute entries may be 0, e.g. inside a fused group).
+    their standalone durations; compute entries may be 0, e.g. inside a fused group).
 
     One pass over the compute stream's events (collective ready, wait) and the issues: the frontier
     advances until a wait whose collective is not issued yet; then the stream issues the
     highest-priority collective ready by the time it is free (or the first to become ready). A ready
     time ``P[ready_pos] + stall`` grows along the walk, so collectives without collective producers
-    queue in a plain FIFO; only collective-fed ones need a heap."""
+    queue in a plain FIFO; only collective-fed ones need a heap.
+
+    ``comm_streams > 1``: that many communication streams (:mod:`.streams`, the rule the DES shares);
+    collectives in flight together slow each other by ``contention`` (:mod:`.concurrency`; ``keys``:
+    per collective, its index there, as ``ProgramCosts.comm_inverse``)."""
+    if not (isinstance(comm_streams, (int, np.integer)) and comm_streams >= 1):
+        raise UsageError(f"comm_streams={comm_streams!r}: give the number of collectives a device may run at "
+                         f"once (an integer >= 1; 1 = one communication stream)")
     comm_eqns = plan.comm_eqns
     walk = plan._walk(prefetch_bytes)
     P = np.zeros(plan.num_eqns + 1)                       # compute time before each equation, no stalls
     np.cumsum(times * plan._compute, out=P[1:])
     Pev = P[walk.event_pos].tolist()
-    start, finish, order, stalls = _issue(plan, walk.events, walk.keys, Pev, times[comm_eqns].tolist())
+    tc = times[comm_eqns].tolist()
+    stream = None
+    if comm_streams == 1:
+        start, finish, order, stalls = _issue(plan, walk.events, walk.keys, Pev, tc)
+    else:
+        start, finish, order, stalls, stream = issue_streams(plan, walk.events, walk.keys, Pev, tc,
+                                                             int(comm_streams), keys, contention)
     D = stalls[-1][1] if stalls else 0.0
     end = float(P[-1]) + D
     last = max(finish, default=0.0)
     # compute finish of equation i: P[i+1] + the stall of the last wait at or before i that grew it
     bounds = np.concatenate(([0], walk.event_pos[[k for k, _ in stalls]], [plan.num_eqns]))
     stall = np.repeat([0.0] + [d for _, d in stalls], np.diff(bounds))
-    return Schedule(end if end > last else last, start, finish, order, walk.ready, P[1:] + stall)
+    return Schedule(end if end > last else last, start, finish, order, walk.ready, P[1:] + stall, stream,
+                    int(comm_streams))
 
 
 def _issue(plan: OverlapPlan, events: list[int], ekeys: list[int], Pev: list[float], tc: list[float]

@@ -5,22 +5,33 @@ factor is ``(dim, size, stride)``, meaning the axis coordinate's digit steps
 that physical coordinate by ``stride``. An axis's coordinate is split into its
 factors' digits major→minor.
 
-- **default** (``mapping=None``): fill the physical dims in order: device ``d``
+- **default** (``mapping=None`` or ``"default"``): fill the physical dims in order: device ``d``
   (row-major over the mesh) is chip ``d`` (row-major over the physical dims),
   so the last mesh axis takes the innermost physical dim first. An axis whose
   size does not tile the dims it falls on → :class:`PlacementError`.
 - **explicit** (``"model=x,batch=yz"`` or ``{"model": "x", "batch": ("y", "z")}``):
-  each axis is placed on whole physical dims (major→minor as listed; GPU dims
+  each axis is placed on physical dims (major→minor as listed; GPU dims
   are ``node`` and ``gpu``, join several with ``+``). Sizes must match exactly.
+  A dim item is a whole dim (``z``) or a part of one (``z[4]``, also ``z[4/16]``):
+  the parts of one dim go major→minor in the order their axes are listed, so
+  ``"batch=x+y+z[4],model=z[4]"`` is the default fill of batch=64,model=4 on
+  4x4x16 and ``"model=z[4],batch=x+y+z[4]"`` strides model by 4 along z.
+  :meth:`Placement.mapping_text` writes any placement in this form.
+- **auto** is no placement but a search over them, by price
+  (:mod:`.placement_search`); ``Placement(..., "auto")`` says so.
 
 For the devices of a collective group (mesh axes), :meth:`Placement.group`
 tells which physical dims it spans, whether each spans a full dim with
 wraparound (a ring / torus), how many nodes a GPU group spans, and the chips
-of a representative group in group-position order.
+of a representative group in group-position order. :meth:`Placement.warnings`
+says what is structurally questionable (axes sharing a dim, a GPU axis across
+nodes, no wraparound where a ring is possible); :mod:`.placement_search` prices it.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -65,6 +76,18 @@ class GroupLayout:
         return bool(self.factors) and all(self.wrap)
 
 
+@dataclass(frozen=True)
+class PlacementWarning:
+    """Something questionable about a placement: ``kind`` is ``shared_dim`` (several mesh axes on one
+    torus dim), ``across_nodes`` (a GPU axis spans nodes) or ``open_line`` (no wraparound where a ring
+    is possible); ``text`` says it in one line (without the price: :mod:`.placement_search` adds it)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    dim: str
+    text: str
+
+
 class Placement:
     """Where each device of ``mesh`` lives on ``topology``. Use :func:`place` to build one from a spec.
 
@@ -80,12 +103,35 @@ class Placement:
         if mesh.size != topology.num_chips:
             raise PlacementError(f"{mesh} has {mesh.size} devices but {topology.describe()} has "
                                  f"{topology.num_chips} chips; build the topology for the mesh size")
+        if isinstance(mapping, str) and mapping.strip().lower() in ("auto", "default"):
+            if mapping.strip().lower() == "auto":
+                raise PlacementError("placement 'auto' is chosen by pricing a program: use "
+                                     "hwmodels.placement_search.search_placement (the CLI does), or give "
+                                     "\"default\" or an explicit placement such as \"model=x,batch=yz\"")
+            mapping = None
         m = _parse_mapping(mapping, mesh, topology) if mapping is not None else None
         self.mesh = mesh
         self.topology = topology
         self.mapping = mapping
         self.factors: dict[str, tuple[Factor, ...]] = (_explicit(m, mesh, topology) if m is not None
                                                       else _fill(mesh, topology))
+        self._finish()
+
+    @classmethod
+    def from_factors(cls, mesh: Mesh, topology: Topology, factors: Mapping[str, Sequence[Factor]]) -> Placement:
+        """A placement given by its factors (the search builds them; checked only for covering every chip)."""
+        self = cls.__new__(cls)
+        self.mesh, self.topology, self.mapping = mesh, topology, None
+        self.factors = {a: tuple(factors.get(a, ())) for a in mesh.axis_names}
+        covered = math.prod(f.size for fs in self.factors.values() for f in fs)
+        if covered != topology.num_chips or any(math.prod(f.size for f in self.factors[a]) != s for a, s in mesh.axes):
+            raise PlacementError(f"factors {self.factors} do not place {mesh} on {topology.describe()}")
+        self._finish()
+        self.mapping = self.mapping_text()
+        return self
+
+    def _finish(self) -> None:
+        mesh, topology = self.mesh, self.topology
         self.key: tuple = (topology.key, mesh.axes, tuple((a, self.factors[a]) for a in mesh.axis_names))
         self._chips: tuple[int, ...] | None = None           # chip of each device, on first use
         self._groups: dict[tuple[str, ...], GroupLayout] = {}
@@ -134,14 +180,78 @@ class Placement:
                            nodes, per_node)
 
     def describe(self) -> str:
-        parts = []
-        for a in self.mesh.axis_names:
-            fs = self.factors[a]
-            dims = "+".join(f"{self.topology.dim_names[f.dim]}"
-                            + ("" if f.size == self.topology.dims[f.dim] else f"[{f.size}/{self.topology.dims[f.dim]}]")
-                            for f in fs if f.size > 1) or "-"
-            parts.append(f"{a}={dims}")
-        return ", ".join(parts) + f" on {self.topology.describe()}"
+        return ", ".join(f"{a}={self._dims_of(a)}" for a in self.mesh.axis_names) + f" on {self.topology.describe()}"
+
+
+    def mapping_text(self) -> str | None:
+        """This placement as a mapping string :class:`Placement` accepts (``"model=x,batch=y+z[4]"``), or
+        ``None`` when no listing order of the axes gives the strides of every shared dim."""
+        topo, names = self.topology, self.mesh.axis_names
+        after: dict[str, set[str]] = {a: set() for a in names}       # axis -> axes that must be listed later
+        for d in range(len(topo.dims)):
+            on = sorted(((f.stride, a) for a in names for f in self.factors[a] if f.dim == d and f.size > 1),
+                        key=lambda t: -t[0])
+            for (_, major), (_, minor) in zip(on, on[1:]):
+                after[major].add(minor)
+        order: list[str] = []
+        ready = [a for a in names if not any(a in v for v in after.values())]
+        while ready:
+            a = ready.pop(0)
+            order.append(a)
+            for b in sorted(after.pop(a), key=names.index):
+                if not any(b in v for v in after.values()):
+                    ready.append(b)
+            ready.sort(key=names.index)
+        if len(order) != len(names):
+            return None
+        items = []
+        for a in order:
+            parts = [topo.dim_names[f.dim] + ("" if f.size == topo.dims[f.dim] else f"[{f.size}]")
+                     for f in self.factors[a] if f.size > 1]
+            if parts:
+                items.append(f"{a}={'+'.join(parts)}")
+        return ",".join(items)
+
+    def warnings(self) -> tuple[PlacementWarning, ...]:
+        """What is structurally questionable here (no program needed; :mod:`.placement_search` prices it):
+        two mesh axes on one torus dim (their groups contend for its links), a GPU axis across nodes that
+        would fit in one node, an axis that is no closed ring/torus where whole wraparound dims of its
+        size exist."""
+        topo, out = self.topology, []
+        if topo.kind == "torus":
+            for d, name in enumerate(topo.dim_names):
+                on = sorted(((f.stride, a, f.size) for a in self.mesh.axis_names for f in self.factors[a]
+                             if f.dim == d and f.size > 1), reverse=True)
+                if len(on) > 1:
+                    axes = tuple(a for _, a, _ in on)
+                    verb = "both lie" if len(axes) == 2 else "all lie"
+                    out.append(PlacementWarning("shared_dim", axes, name,
+                                                f"mesh axes {' and '.join(axes)} {verb} on {name} "
+                                                f"({'x'.join(str(s) for *_, s in on)} of {topo.dims[d]}): their "
+                                                f"collectives share {name} links"))
+            rings = _wrapping_products(topo)
+            for a, size in self.mesh.axes:
+                g = self.group((a,))
+                if size > 2 and not g.is_torus and size in rings:
+                    out.append(PlacementWarning("open_line", (a,), "+".join(g.dim_names),
+                                                f"mesh axis {a}={size} on {self._dims_of(a)} has no wraparound "
+                                                f"links of its own (an open dim or part of one): {rings[size]} "
+                                                f"would make it a ring"))
+        else:
+            per = topo.dims[1]
+            for a, size in self.mesh.axes:
+                g = self.group((a,))
+                if g.nodes > 1 and size <= per:
+                    out.append(PlacementWarning("across_nodes", (a,), "node",
+                                                f"mesh axis {a}={size} spans {g.nodes} nodes ({g.per_node} GPU(s) "
+                                                f"per node): its collectives cross InfiniBand, though it would fit "
+                                                f"in one node's {per} GPUs"))
+        return tuple(out)
+
+    def _dims_of(self, axis: str) -> str:
+        topo = self.topology
+        return "+".join(topo.dim_names[f.dim] + ("" if f.size == topo.dims[f.dim] else f"[{f.size}/{topo.dims[f.dim]}]")
+                        for f in self.factors[axis] if f.size > 1) or "-"
 
     __str__ = describe
 
@@ -157,6 +267,16 @@ def place(mesh: Mesh, spec: HardwareSpec, mapping: str | Mapping | None = None,
     if dims is None and mapping is not None and spec.kind == "tpu":
         dims = _dims_from_mapping(mapping, mesh, len(spec.network.pod_dims))
     return Placement(mesh, topology_for(spec, mesh.size, dims), mapping)
+
+
+def _wrapping_products(topo: Topology) -> dict[int, str]:
+    """Group sizes a closed ring/torus of whole wraparound dims can have -> those dims (e.g. {16: "z"})."""
+    out: dict[int, str] = {}
+    wrapping = [d for d in range(len(topo.dims)) if topo.wrap[d] and topo.dims[d] > 2]
+    for r in range(1, len(wrapping) + 1):
+        for combo in itertools.combinations(wrapping, r):
+            out.setdefault(math.prod(topo.dims[d] for d in combo), "+".join(topo.dim_names[d] for d in combo))
+    return out
 
 
 # -- default placement --------------------------------------------------------------------------------
@@ -188,16 +308,47 @@ def _fill(mesh: Mesh, topo: Topology) -> dict[str, tuple[Factor, ...]]:
 
 
 # -- explicit placement -------------------------------------------------------------------------------
+# A part is (dim name, size or None for the whole dim, the written text). "z[4]" (or "z[4/16]") is a part
+# of size 4 of dim z; the parts of one dim go major→minor in the order their axes are listed.
+Part = tuple[str, int | None, str]
+_PART = re.compile(r"^([A-Za-z_][A-Za-z_0-9]*)\s*(?:\[\s*(\d+)\s*(?:/\s*(\d+)\s*)?\])?$")
+
+
 def _split_dims(text: str, names: tuple[str, ...]) -> list[str]:
+    """The dim items of one axis: ``"y+z[4]"``, ``"yz"``, ``"gpu"``, ``"z[4]"``."""
     text = text.strip()
     if "+" in text:
         return [t.strip() for t in text.split("+")]
-    if text in names:
+    if text in names or _PART.match(text) and text.split("[")[0].strip() in names:
         return [text]
+    alt = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    tokens = re.findall(rf"(?:{alt})(?:\[[^\]]*\])?", text) if alt else []
+    if tokens and "".join(tokens) == text.replace(" ", ""):
+        return tokens
     return list(text)
 
 
-def _parse_mapping(mapping: str | Mapping, mesh: Mesh, topo: Topology) -> dict[str, list[str]]:
+def _part(item: str, axis: str, topo_names: tuple[str, ...], dims: tuple[int, ...], where: str) -> Part:
+    m = _PART.match(item.strip())
+    name = m.group(1) if m else item.split("[")[0].strip()
+    if name not in topo_names:
+        raise PlacementError(f"placement of axis {axis!r}: {name!r} is not a physical dim of "
+                             f"{where}; its dims are {', '.join(topo_names)}")
+    if m is None:
+        raise PlacementError(f"placement of axis {axis!r}: {item!r} is not a dim or a part of one; write e.g. "
+                             f"\"{name}\" (the whole dim) or \"{name}[2]\" (2 of its positions)")
+    full = dims[topo_names.index(name)]
+    if m.group(3) is not None and int(m.group(3)) != full:
+        raise PlacementError(f"placement of axis {axis!r}: {item!r} says {name} has {m.group(3)} positions "
+                             f"but it has {full} in {where}")
+    size = int(m.group(2)) if m.group(2) is not None else None
+    if size is not None and (size < 1 or full % size):
+        raise PlacementError(f"placement of axis {axis!r}: {item!r} takes {size} positions of {name}={full}; "
+                             f"use a divisor of {full}")
+    return (name, None if size == full else size, item.strip())
+
+
+def _parse_mapping(mapping: str | Mapping, mesh: Mesh, topo: Topology) -> dict[str, list[Part]]:
     names = topo.dim_names
     if isinstance(mapping, str):
         items = []
@@ -205,42 +356,61 @@ def _parse_mapping(mapping: str | Mapping, mesh: Mesh, topo: Topology) -> dict[s
             axis, eq, dims = part.partition("=")
             if not eq:
                 raise PlacementError(f"placement item {part!r} in {mapping!r} is not AXIS=DIMS; write e.g. "
-                                     f"\"model={names[0]},batch={''.join(names[1:]) or names[0]}\"")
+                                     f"\"model={names[0]},batch={''.join(names[1:]) or names[0]}\", "
+                                     f"\"auto\" or \"default\"")
             items.append((axis.strip(), _split_dims(dims, names)))
     else:
         items = [(a, _split_dims(d, names) if isinstance(d, str) else list(d)) for a, d in mapping.items()]
-    out: dict[str, list[str]] = {}
-    used: dict[str, str] = {}
+    out: dict[str, list[Part]] = {}
+    whole: dict[str, str] = {}            # dim -> the axis that has it whole
+    split: dict[str, str] = {}            # dim -> an axis that has part of it
     for axis, dims in items:
         if axis not in mesh.axis_names:
             raise PlacementError(f"placement names axis {axis!r}, which is not in {mesh}")
         if axis in out:
             raise PlacementError(f"placement places mesh axis {axis!r} twice")
-        for d in dims:
-            if d not in names:
-                raise PlacementError(f"placement of axis {axis!r}: {d!r} is not a physical dim of "
-                                     f"{topo.describe()}; its dims are {', '.join(names)}")
-            if d in used:
-                raise PlacementError(f"physical dim {d!r} is given to both {used[d]!r} and {axis!r}")
-            used[d] = axis
-        out[axis] = dims
+        parts = [_part(item, axis, names, topo.dims, topo.describe()) for item in dims]
+        for name, size, _ in parts:
+            other = whole.get(name) or (split.get(name) if size is None else None)
+            if other is not None or (size is None and name in split):
+                raise PlacementError(f"physical dim {name!r} is given to both {other or split[name]!r} and {axis!r}")
+            (whole if size is None else split)[name] = axis
+        out[axis] = parts
     return out
 
 
-def _explicit(m: dict[str, list[str]], mesh: Mesh, topo: Topology) -> dict[str, tuple[Factor, ...]]:
+def _explicit(m: dict[str, list[Part]], mesh: Mesh, topo: Topology) -> dict[str, tuple[Factor, ...]]:
     index = {n: i for i, n in enumerate(topo.dim_names)}
+    on_dim: dict[int, list[tuple[str, int]]] = {}          # dim -> (axis, size), major first
+    for axis in m:
+        for name, size, _ in m[axis]:
+            i = index[name]
+            on_dim.setdefault(i, []).append((axis, size if size is not None else topo.dims[i]))
+    stride: dict[tuple[str, int], int] = {}
+    for i, shares in on_dim.items():
+        total = math.prod(s for _, s in shares)
+        if total != topo.dims[i]:
+            raise PlacementError(
+                f"physical dim {topo.dim_names[i]}={topo.dims[i]} of {topo.describe()} is split into "
+                f"{'x'.join(str(s) for _, s in shares)}={total} positions (by {', '.join(a for a, _ in shares)}); "
+                f"the parts of one dim must multiply to its size")
+        st = 1
+        for axis, s in reversed(shares):
+            stride[(axis, i)] = st
+            st *= s
     out: dict[str, tuple[Factor, ...]] = {}
     for axis, size in mesh.axes:
-        dims = m.get(axis, [])
-        phys = math.prod(topo.dims[index[d]] for d in dims)
+        parts = m.get(axis, [])
+        phys = math.prod(s if s is not None else topo.dims[index[d]] for d, s, _ in parts)
         if phys != size:
-            where = "+".join(dims) or "no physical dim"
+            where = "+".join(t for _, _, t in parts) or "no physical dim"
             raise PlacementError(
                 f"mesh axis {axis}={size} is placed on {where} of size {phys} "
                 f"({topo.describe()}); an axis needs physical dims whose sizes multiply to its size "
                 f"(choose the dims, or the slice shape with slice_dims=..., to match)")
-        out[axis] = tuple(Factor(index[d], topo.dims[index[d]], 1) for d in dims)
-    left = [n for n, s in zip(topo.dim_names, topo.dims) if s > 1 and n not in {d for v in m.values() for d in v}]
+        out[axis] = tuple(Factor(index[d], s if s is not None else topo.dims[index[d]], stride[(axis, index[d])])
+                          for d, s, _ in parts)
+    left = [n for i, (n, s) in enumerate(zip(topo.dim_names, topo.dims)) if s > 1 and i not in on_dim]
     if left:
         raise PlacementError(f"physical dim(s) {', '.join(left)} of {topo.describe()} are given to no mesh axis")
     return out
@@ -256,7 +426,7 @@ def _dims_from_mapping(mapping: str | Mapping, mesh: Mesh, ndim: int) -> tuple[i
     sizes = dict.fromkeys(names, 1)
     for axis, dims in items.items():
         if axis not in mesh.axis_names or any(d not in sizes for d in dims):
-            return None                                   # Placement will report it
+            return None                                   # Placement will report it (or a part: "z[4]")
         if len(dims) == 1:
             sizes[dims[0]] = mesh.axis_size(axis)
         elif len(dims) > 1:

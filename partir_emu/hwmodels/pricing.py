@@ -12,13 +12,16 @@ and the memory profile:
   iteration ``i + 1`` starts, as in an XLA while loop without collective pipelining; so every
   iteration takes the body's step, and the body is never unrolled. In its enclosing program's overlap
   schedule a loop is a barrier (:mod:`.overlap`);
-- without overlap the step is compute + communication; with overlap the schedule of :mod:`.overlap`,
+- without overlap the step is compute + communication; with overlap the schedule of :mod:`.overlap`
+  (``comm_streams`` communication streams, concurrent collectives sharing links: :mod:`.concurrency`),
   and the memory profile with the prefetch buffers of that schedule, loop bodies with their own
   schedules' (rule 5 of :mod:`partir_emu.core.analysis`).
 
 :func:`totals` sums FLOPs, HBM bytes, the fusion summary and the breakdowns over *every iteration*
 (a body's × its length), and :func:`collective_rows` lists every executed collective with its start
 (one row per iteration of a body collective), so a loop program reports what its unrolled form does.
+With several communication streams a row's time and ``comm_s`` are the collectives' durations in the
+schedule (slowed by the others in flight, :mod:`.concurrency`), not their standalone prices.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.hwmodels.comm import CollectiveCost, CommModel
+from partir_emu.hwmodels.concurrency import Contention
 from partir_emu.hwmodels.costs import KINDS
 from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
 from partir_emu.hwmodels.overlap import Schedule, overlap_memory, schedule
@@ -54,10 +58,14 @@ class Priced:
 
 
 def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap: bool,
-          prefetch_bytes: int | None = None) -> Priced:
-    """Price one run of ``entry``'s program (module docstring)."""
+          prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0) -> Priced:
+    """Price one run of ``entry``'s program (module docstring). ``compute_scale`` multiplies every
+    compute equation's time (loop bodies' too: a uniformly slower or faster chip); ``comm_streams`` is
+    the number of collectives the overlap schedule may run at once (:func:`.overlap.schedule`)."""
     pc = entry.costs
     times = compute_times(pc, spec)
+    if compute_scale != 1.0:
+        times = times * compute_scale
     costs = [model.cost(*key) for key in pc.comm_keys]
     is_comm = pc.is_comm
     if costs:
@@ -67,7 +75,7 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     comm_s = float(times[is_comm].sum())
     walked = len(times)
     for lc in pc.loops:
-        b = bodies[lc.index] = price(lc.body, spec, model, overlap, prefetch_bytes)
+        b = bodies[lc.index] = price(lc.body, spec, model, overlap, prefetch_bytes, comm_streams, compute_scale)
         times[lc.index] = lc.length * b.step_s
         compute_s += lc.length * b.compute_s
         comm_s += lc.length * b.comm_s
@@ -76,8 +84,11 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     sched = None
     if overlap:
         plan = entry.overlap_plan()
-        sched = schedule(plan, times, prefetch_bytes)
+        contention = Contention.of(model, pc.comm_keys) if comm_streams > 1 and len(pc.comm_keys) else None
+        sched = schedule(plan, times, prefetch_bytes, comm_streams, contention, pc.comm_inverse.tolist())
         step_s = sched.step_s
+        if contention is not None:          # collectives in flight together last longer than priced alone
+            comm_s += float(np.sum(np.subtract(sched.finish, sched.start))) - float(times[is_comm].sum())
         mem = overlap_memory(plan, entry.program, _with_bodies(entry, bodies), sched)
     else:
         step_s = compute_s + comm_s
@@ -212,5 +223,6 @@ def _rows(pr: Priced) -> list[tuple]:
             break
         cost = pr.costs[inverse[c]]
         start = sched.start[c] if sched is not None else float(cum[i])
-        out.append((i, prim, axes, nbytes, cost.group_size, cost.algorithm, cost.time_s, start, ()))
+        took = sched.finish[c] - start if sched is not None and sched.streams > 1 else cost.time_s
+        out.append((i, prim, axes, nbytes, cost.group_size, cost.algorithm, took, start, ()))
     return out

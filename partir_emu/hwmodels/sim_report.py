@@ -58,12 +58,16 @@ class SimReport:
     mfu: float | None               # model_flops / (step_s * bf16 peak); None when no model_flops was given
     fusion: dict[str, float]        # kernels, fused groups, hand kernels, bytes saved (fusion.FusionPlan.summary)
     collectives: tuple[CollectiveRow, ...] = field(repr=False)
+    faults: tuple[str, ...] = ()    # the faults applied: degraded/failed links, stragglers (hwmodels.links)
+    comm_streams: int = 1           # collectives run at once with overlap
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
             "spec", "topology", "placement", "mesh", "num_devices", "overlap", "step_s", "compute_s", "comm_s",
             "exposed_comm_s", "flops_per_device", "hbm_traffic_bytes", "peak_bytes_per_device", "hbm_bytes",
-            "fits", "memory", "peak_at", "hfu", "mfu", "fusion", "by_op_kind", "by_prim", "by_collective", "by_axes")}
+            "fits", "memory", "peak_at", "hfu", "mfu", "fusion", "by_op_kind", "by_prim", "by_collective", "by_axes",
+            "comm_streams")}
+        d["faults"] = list(self.faults)
         d["collectives"] = [r.to_json() for r in self.collectives]
         return d
 
@@ -75,8 +79,10 @@ class SimReport:
         gib = 2 ** 30
         lines = [f"{self.spec} | {self.topology}",
                  f"placement: {self.placement}",
+                 *([f"faults: {'; '.join(self.faults)}"] if self.faults else []),
                  f"step {_t(self.step_s)}  = compute {_t(self.compute_s)} + comm {_t(self.comm_s)}"
-                 + (f" (overlap on, exposed comm {_t(self.exposed_comm_s)})" if self.overlap else ""),
+                 + (f" (overlap on, {self.comm_streams} comm stream{'s' if self.comm_streams > 1 else ''}, "
+                    f"exposed comm {_t(self.exposed_comm_s)})" if self.overlap else ""),
                  f"flops/device {self.flops_per_device:.3g}   HBM traffic {self.hbm_traffic_bytes / 1e9:.3g} GB",
                  f"HFU {100 * self.hfu:.1f}%   MFU " + (f"{100 * self.mfu:.1f}%" if self.mfu is not None
                                                       else "- (no model FLOPs given)"),
@@ -98,9 +104,9 @@ class SimReport:
                 lines.append(f"{k:<16}{int(r['count']):>7}{_t(r['time_s']):>12}{r['bytes'] / 1e6:>12.3f}")
             lines += ["", f"slowest collectives (of {len(self.collectives)} executed):",
                       f"{'eqn':>10} {'prim':<15}{'axes':<14}{'MB':>10}{'algorithm':>14}{'time':>12}"]
-            for r in sorted(self.collectives, key=lambda r: -r.time_s)[:top]:
-                lines.append(f"{_eqn(r):>10} {r.prim:<15}{','.join(r.axes):<14}{r.nbytes / 1e6:>10.3f}"
-                             f"{r.algorithm:>14}{_t(r.time_s):>12}")
+            for c in sorted(self.collectives, key=lambda c: -c.time_s)[:top]:
+                lines.append(f"{_eqn(c):>10} {c.prim:<15}{','.join(c.axes):<14}{c.nbytes / 1e6:>10.3f}"
+                             f"{c.algorithm:>14}{_t(c.time_s):>12}")
         return "\n".join(lines)
 
     __str__ = table

@@ -7,12 +7,11 @@ equal the local executor's bit for bit. Rank 0 prints one JSON line with the ver
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import numpy as np
-from mpi4py import MPI
+from _layout import layout  # a sibling script module: this directory is sys.path[0]
 
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.local import run_schedule
@@ -21,14 +20,7 @@ from partir_emu.collectives.schedule import KINDS
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--k", type=int, default=1)
-    ap.add_argument("--placement", choices=("block", "cyclic"), default="block")
-    args = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    me, nranks, k = comm.Get_rank(), comm.Get_size(), args.k
-    p = nranks * k
-    rank_of = (lambda d: d // k) if args.placement == "block" else (lambda d: d % nranks)
+    args, comm, me, nranks, k, p, rank_of = layout()
     group = list(range(p))
     ex = MpiCollectives(comm)
     failures, cases = [], 0

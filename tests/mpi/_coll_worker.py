@@ -9,7 +9,6 @@ to the numpy reference. Rank 0 prints one JSON line with the verdict.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -17,7 +16,7 @@ import traceback
 import zlib
 
 import numpy as np
-from mpi4py import MPI
+from _layout import layout  # a sibling script module: this directory is sys.path[0]
 
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.local import run_schedule
@@ -53,15 +52,7 @@ def inputs(kind: str, p: int, n: int, dtype: str, seed: int) -> list[np.ndarray]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--k", type=int, default=1)
-    ap.add_argument("--placement", choices=("block", "cyclic"), default="block")
-    ap.add_argument("--native", action="store_true")
-    args = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    me, nranks, k = comm.Get_rank(), comm.Get_size(), args.k
-    n_dev = nranks * k
-    rank_of = (lambda d: d // k) if args.placement == "block" else (lambda d: d % nranks)
+    args, comm, me, nranks, k, n_dev, rank_of = layout(("--native",))
     t0 = time.monotonic()
     failures: list[str] = []
     cases = 0

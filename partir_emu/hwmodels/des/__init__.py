@@ -6,7 +6,8 @@
 Modules: :mod:`.model` (the simulation: wires the parts below), :mod:`.protocols` (what
 each part sees of the others), :mod:`.stream` (the op stream a device runs; loops run
 iteration by iteration), :mod:`.device` (devices running it, SPMD symmetry),
-:mod:`.collective` (schedules over all groups), :mod:`.network` (flow-level max-min),
+:mod:`.collective` (schedules over all groups), :mod:`.plans` (their steps as flows),
+:mod:`.classes` (symmetry classes of members and flows), :mod:`.network` (flow-level max-min),
 :mod:`.chunked` (store-and-forward), :mod:`.routing` (routes, degraded/failed links),
 :mod:`.trace_export` (Perfetto), :mod:`.validate` (analytical vs DES on given programs),
 :mod:`.replay` (MPI message traces). The command line (``simulate-des``, ``validate``,

@@ -24,7 +24,7 @@ import numpy as np
 import simpy
 
 from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
-from partir_emu.hwmodels.des.routing import RoutePattern, Router
+from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern, Router
 
 
 class ChunkNetwork:
@@ -57,7 +57,9 @@ class ChunkNetwork:
         return r
 
     def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
-             owner: ContentionSink | None = None) -> None:
+             owner: ContentionSink | None = None, classes: FlowClasses | None = None) -> None:
+        if classes is not None:
+            raise ValueError("the chunk network moves every message itself: send flows, not classes of flows")
         ids = np.arange(route.n) if idx is None else idx
         self.batches += 1
         for f, n in zip(ids.tolist(), np.asarray(nbytes).tolist()):

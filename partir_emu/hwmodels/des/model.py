@@ -18,7 +18,10 @@ links are shared (concurrent groups of a collective, an axis placed over
 several or partial physical dims, several communication streams, degraded or
 failed links), compute and communication overlap, or one device is slow, it
 shows what the closed form cannot. See :mod:`.device` for the SPMD-symmetry
-shortcut that keeps a 4096-chip step cheap.
+shortcut that keeps a 4096-chip step cheap, and :mod:`.classes` for its
+counterpart inside a collective: members and flows that move alike are simulated
+once, with their multiplicity (``aggregate=False``: the reference path, every
+member and flow on its own; the tests hold the two equal to 1e-9).
 """
 from __future__ import annotations
 
@@ -34,13 +37,14 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer
 from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des.chunked import ChunkNetwork
+from partir_emu.hwmodels.des.classes import MemberClasses, class_ids, reduce_plans
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, StepPlan, make_groups, step_plans
 from partir_emu.hwmodels.des.device import Devices
 from partir_emu.hwmodels.des.network import FlowNetwork
 from partir_emu.hwmodels.des.progress import Progress
 from partir_emu.hwmodels.des.protocols import Network
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
-from partir_emu.hwmodels.des.routing import DesError, Router, link_factors
+from partir_emu.hwmodels.des.routing import DesError, Router, SymmetryBroken, link_factors
 from partir_emu.hwmodels.des.stream import OpStream, compile_stream
 from partir_emu.hwmodels.des.trace_export import Recorder, write_chrome_trace
 from partir_emu.hwmodels.placement import Placement
@@ -61,6 +65,9 @@ class DesOptions:
     ``merge_window_s``: devices whose collective finishes within this window resume together from
     the latest of their times (see :class:`~.device.WaitPoint`; 0 = exact per-device timing).
     ``symmetry=False`` simulates every device as its own process (no merging; slower).
+    ``aggregate=False`` takes the reference path: one step plan per schedule step from the schedule's
+    message objects and a deferred rate update after every change (slow at thousands of chips; the
+    tests hold the aggregated path equal to it).
     """
 
     network: str = "flow"
@@ -72,9 +79,10 @@ class DesOptions:
     message_overhead_s: float = 0.0
     merge_window_s: float = 50e-6
     symmetry: bool = True
+    aggregate: bool = True
     trace: bool = False
     trace_devices: int = 8
-    progress: bool | None = False          # None: when stderr is a terminal
+    progress: bool | None = False          # None: once the run has lasted 5 s (.progress)
     top_links: int = 20
 
     def __post_init__(self) -> None:
@@ -97,7 +105,7 @@ class DesOptions:
                 "stragglers": {str(k): v for k, v in self.stragglers.items()},
                 "degraded_links": dict(self.degraded_links), "failed_links": list(self.failed_links),
                 "message_overhead_s": self.message_overhead_s, "merge_window_s": self.merge_window_s,
-                "symmetry": self.symmetry}
+                "symmetry": self.symmetry, "aggregate": self.aggregate}
 
 
 class Simulation:
@@ -112,6 +120,7 @@ class Simulation:
     def __init__(self, spmd: SpmdProgram, spec: HardwareSpec, placement: Placement, overlap: bool,
                  algorithms: str | dict[str, str] | None, options: DesOptions,
                  analyzer: Analyzer | None = None, prefetch_bytes: int | None = None) -> None:
+        self._t_built = time.perf_counter()
         analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
         self.spmd = spmd
         self.spec = spec
@@ -122,43 +131,56 @@ class Simulation:
         bad = [d for d in options.stragglers if d >= n]
         if bad:
             raise DesError(f"straggler device {bad[0]} is not in {spmd.mesh} (devices 0..{n - 1})")
-        self.env = simpy.Environment()
         topo = placement.topology
         factors = link_factors(topo, options.degraded_links, options.failed_links)
         self.router = Router(topo, factors)
-        self.comm_model = CommModel(placement, algorithms, analyzer.prices)
+        self.comm_model = CommModel(placement, algorithms, analyzer.prices, factors)   # faults: same choice
         # the device runs the times and (with overlap) the order the analytical model's scheduler fixed
         # (as a chip runs its compiler's schedule), priced with the same collective costs; loops are
         # run iteration by iteration (.stream)
-        priced = analyzer.price(spmd.program, spec, self.comm_model, overlap, prefetch_bytes)
+        priced = analyzer.price(spmd.program, spec, self.comm_model, overlap, prefetch_bytes, options.comm_streams)
         self.stream: OpStream = compile_stream(priced, overlap, options.comm_streams)
         self.comm = self.stream.comm            # per collective instance: (index, prim, axes, nbytes, dtype, perm)
-        C = len(self.comm)
         self.factor = np.ones(n)
         for d, f in options.stragglers.items():
             self.factor[d] = f
-        self.recorder: Recorder | None = None
+        self._trace_links: list[int] = []
         if options.trace:
             devs = list(range(min(n, options.trace_devices))) + list(options.stragglers)
             chips = {placement.chip_of(d) for d in devs}
-            links = [lk.id for lk in topo.links if lk.src in chips or lk.dst in chips] + list(factors)
-            self.recorder = Recorder(devs, links, n, self.router.bw)
-        self._network: Network
-        if options.network == "flow":
-            self._network = FlowNetwork(self.env, self.router, self.recorder)
-        else:
-            self._network = ChunkNetwork(self.env, self.router, options.chunk_bytes, self.recorder)
-        self.devices = Devices(self.env, self.stream, n, self, self.recorder, options.merge_window_s,
-                               options.symmetry)
-        self.runs: list[CollectiveRun | None] = [None] * C
+            self._trace_links = [lk.id for lk in topo.links if lk.src in chips or lk.dst in chips] + list(factors)
         self._groups: dict[tuple[str, ...], Groups] = {}
         # step plans per distinct collective (prim, axes, nbytes, dtype, perm): its schedule is fixed by the
         # placement and algorithms of this simulation, so repeats of a collective share their plans
         self._plans: dict[tuple[str, tuple[str, ...], int, str, tuple | None], list[StepPlan]] = {}
+        # the same over member classes (None: too little symmetry), for collectives every device opens at once
+        self._reduced: dict[tuple, tuple[MemberClasses, list[StepPlan]] | None] = {}
+        # flow classes need the flow network, no trace recorder (it follows single flows) and the option
+        self.use_classes = options.aggregate and options.network == "flow" and not options.trace
+        self.wall_s = 0.0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The simulation state, ready to run (again, after :class:`~.routing.SymmetryBroken`)."""
+        options, n = self.options, self.num_devices
+        self.env = simpy.Environment()
+        self.recorder: Recorder | None = None
+        if options.trace:
+            devs = list(range(min(n, options.trace_devices))) + list(options.stragglers)
+            self.recorder = Recorder(devs, self._trace_links, n, self.router.bw)
+        self._network: Network
+        if options.network == "flow":
+            self._network = FlowNetwork(self.env, self.router, self.recorder, eager=options.aggregate)
+        else:
+            self._network = ChunkNetwork(self.env, self.router, options.chunk_bytes, self.recorder)
+        self.devices = Devices(self.env, self.stream, n, self, self.recorder, options.merge_window_s,
+                               options.symmetry)
+        self.runs: list[CollectiveRun | None] = [None] * len(self.comm)
         self.colls_finished = 0
         self.step_s = float("nan")
         self.events = 0
-        self.wall_s = 0.0
+        self._finished_with = np.zeros(n, dtype=np.int64)   # per device: its last collective-finish event
+        self._finish_events = 0
 
     # -- the protocols: what devices and collectives call -----------------------------------------
     @property
@@ -177,15 +199,19 @@ class Simulation:
     def open_collective(self, c: int, devices: np.ndarray, t: float) -> None:
         run = self.runs[c]
         if run is None:
-            run = self.runs[c] = self._make_run(c)
+            run = self.runs[c] = self._make_run(c, devices)
         run.start(devices, t)
 
     def collective_done(self, ci: int, devices: np.ndarray, t: float, complete: bool) -> None:
+        self._finish_events += 1
+        self._finished_with[devices] = self._finish_events
         self.devices.collective_done(ci, devices, t)
         if complete:
             self.colls_finished += 1
 
-    def _make_run(self, c: int) -> CollectiveRun:
+    def _make_run(self, c: int, first: np.ndarray) -> CollectiveRun:
+        """Collective ``c``'s run, over member classes when it is symmetric enough; the ``first`` devices
+        to open it seed the classes (those opening it later must then form whole classes)."""
         index, prim, axes, nbytes, dtype, perm = self.comm[c]
         groups = self._groups.get(axes)
         if groups is None:
@@ -198,15 +224,43 @@ class Simulation:
         key = (prim, axes, nbytes, dtype, perm)
         plans = self._plans.get(key)
         if plans is None:
-            plans = self._plans[key] = step_plans(sched, groups, self.router)
+            plans = self._plans[key] = step_plans(sched, groups, self.router, self.options.aggregate)
+        if self.use_classes:
+            seed = None
+            if first.size < self.num_devices:
+                # the others open it later, as the collectives it waits for finish for them: seed the
+                # classes with who finished their last collective together, and who opens it first
+                together = self._finished_with[groups.devices.ravel()]
+                opened = np.zeros(groups.devices.size, dtype=np.int64)
+                opened[groups.member_of_device[first]] = 1
+                seed = class_ids(together, opened)
+            ckey = (key, None if seed is None else seed.tobytes())
+            if ckey not in self._reduced:
+                self._reduced[ckey] = reduce_plans(plans, groups.devices.size, self.router, seed)
+            red = self._reduced[ckey]
+            if red is not None:
+                return CollectiveRun(self, c, index, prim, axes, nbytes, sched.algorithm, groups, plans, red)
         return CollectiveRun(self, c, index, prim, axes, nbytes, sched.algorithm, groups, plans)
 
     # -- running ------------------------------------------------------------------------------------
     def run(self) -> DesReport:
+        """Simulate the step. A class of flows whose flows get different rates goes on flow by flow
+        (:class:`~.network.FlowNetwork`); should that ever be impossible, the step is simulated
+        again without classes (:class:`~.routing.SymmetryBroken`, a safety net)."""
+        try:
+            return self._run()
+        except SymmetryBroken:
+            self.use_classes = False
+            self._fresh()
+            return self._run()
+
+    def _run(self) -> DesReport:
         t0 = time.perf_counter()
         self.devices.start(self.factor)
         C = len(self.comm)
-        bar = Progress(C, "DES", self.options.progress)
+        # the clock starts with the simulation's construction (pricing and schedules count as waiting)
+        bar = Progress(C, "DES", self.options.progress, t0=self._t_built)
+        bar.update(0, "collectives, t=0 ms")          # (auto mode: only if pricing and schedules took 5 s)
         env = self.env
         step = env.step
         n = 0
@@ -214,8 +268,8 @@ class Simulation:
             while True:
                 step()
                 n += 1
-                if not n & 0x3FF and bar.enabled:
-                    bar.update(self.colls_finished, f"collectives, t={env.now * 1e3:.3f} ms")
+                if not n & 0x3FF and bar.due:
+                    bar.update(self._done(), f"collectives, t={env.now * 1e3:.3f} ms")
         except simpy.core.EmptySchedule:
             pass
         bar.close(self.colls_finished, f"collectives, t={env.now * 1e3:.3f} ms")
@@ -227,6 +281,15 @@ class Simulation:
                            f"{self.colls_finished} of {C} collectives completed)")
         self.step_s = float(self.device_end.max())
         return self.report()
+
+    def _done(self) -> float:
+        """Collectives finished, plus the fraction of its steps each unfinished one has done (a single
+        4096-member ring all-reduce is one collective of 8190 steps)."""
+        part = 0.0
+        for run in self.runs:
+            if run is not None and run.num_steps and run.finished < run.M:
+                part += float(np.clip(run.cur, 0, run.num_steps).sum()) / (run.M * run.num_steps)
+        return self.colls_finished + part
 
     def report(self) -> DesReport:
         spec, placement, topo = self.spec, self.placement, self.placement.topology

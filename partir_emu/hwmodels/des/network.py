@@ -12,7 +12,16 @@ exactly the analytical model's price of a message.
 
 Flows are handled in *batches* (the flows of one step of one collective over all
 its groups), as numpy arrays; rates are cached by the set of active batches, so
-the steps of a ring — identical routes, step after step — are solved once. Flows
+the steps of a ring — identical routes, step after step — are solved once.
+
+**Flow classes.** A batch may come as :class:`~.routing.FlowClasses`: flows that
+start together with the same bytes and latency and move alike (members of a
+symmetric collective, :mod:`.classes`). The network then keeps one entry per
+class (remaining bytes, rate), so an event costs array operations over classes,
+not flows. Rates are still solved over every flow (only when the set of batches
+is new) and each class's flows must get one rate, else that batch goes on flow by
+flow and its collective member by member (exact: until then they moved alike).
+Bytes per link are summed per class and spread over the links at the end. Flows
 due to finish within ``resolution_s`` (1 ns) of each other finish together: far
 below any latency, and without it messages that differ by one element (uneven
 splits) would each cost an event.
@@ -28,13 +37,14 @@ links: chunks of 64 KiB to 4 MiB agree with the flow model within 0.1 % and take
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 import simpy
 
 from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
-from partir_emu.hwmodels.des.routing import RoutePattern, Router
+from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern, Router, SymmetryBroken
 
 
 def max_min_rates(links: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -76,14 +86,19 @@ def max_min_rates(links: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.nd
     return rates, counts
 
 
-class _Batch:
-    __slots__ = ("route", "key", "n", "on_delivered", "owner")
+_CACHE_MAX = 1 << 15        # rate solutions kept (sets of batches in flight; a 4096-chip step meets ~25k)
+_SAME_INSTANT = 1e-12       # relative: two wake-up times this close are one instant (far below the 1 ns resolution)
 
-    def __init__(self, route: RoutePattern, idx: np.ndarray | None, n: int, on_delivered: Delivered,
-                 owner: ContentionSink | None) -> None:
+
+class _Batch:
+    __slots__ = ("route", "classes", "key", "n", "on_delivered", "owner")
+
+    def __init__(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None, n: int,
+                 on_delivered: Delivered, owner: ContentionSink | None) -> None:
         self.route = route
-        self.key = (route.id, None if idx is None else idx.tobytes())
-        self.n = n                        # flows still in flight
+        self.classes = classes
+        self.key = (route.id, -1 if classes is None else classes.id, None if idx is None else idx.tobytes())
+        self.n = n                        # entries (flows, or classes of flows) still in flight
         self.on_delivered = on_delivered
         self.owner = owner
 
@@ -91,71 +106,98 @@ class _Batch:
 class FlowNetwork:
     """Max-min fair flows over the router's links, driven by ``env``.
 
-    The flows in flight are kept as one set of arrays (batch after batch, each batch's
-    flows contiguous), so an event costs a few array operations whatever the number of
-    batches."""
+    The entries in flight (flows, or classes of flows) are kept as one set of arrays (batch after
+    batch, each batch's entries contiguous), so an event costs a few array operations whatever the
+    number of batches."""
 
     kind = "flow"
 
     def __init__(self, env: simpy.Environment, router: Router, recorder: Any = None,
-                 resolution_s: float = 1e-9) -> None:
+                 resolution_s: float = 1e-9, eager: bool = False) -> None:
         self.env = env
+        # eager: after a delivery or completion callback, settle the rates at once when no other event
+        # is due at this instant (instead of through one more simpy event); the same flows at the same
+        # time, so the same rates. Not with a trace recorder (it keeps one rate sample per instant).
+        self.eager = eager and recorder is None
+        self._in_cb = False
+        self._scheduled = False
         self.resolution_s = resolution_s
         self.router = router
         self.cap = router.bw
-        self.link_bytes = np.zeros(router.num_links)
+        self._link_bytes = np.zeros(router.num_links)
+        self._sent: dict[tuple[int, int], tuple[RoutePattern, FlowClasses | None, np.ndarray]] = {}
         self.link_max_flows = np.zeros(router.num_links, dtype=np.int64)
         self.recorder = recorder
         self._batches: list[_Batch] = []
-        self._links = np.zeros((0, 1), dtype=np.int32)
         self._rem = np.zeros(0)
         self._rate = np.zeros(0)
         self._lat = np.zeros(0)
-        self._fid = np.zeros(0, dtype=np.int64)
-        self._bstats = np.zeros((0, 3), dtype=np.int64)  # per batch: max flows on a link, that link, own flows
+        self._uid = np.zeros(0, dtype=np.int64)          # entry id in its batch's route (flow) or classes
+        self._bstats: list[list[int]] = []   # per batch: max flows on a link, that link, own flows (few batches)
         self._t = 0.0
         self._dirty = False
         self._version = 0
-        self._cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._wakes: set[float] = set()       # eager: instants a wake-up is pending for
+        self._target = -1.0                   # eager: the one that completes flows
+        self._cache: dict[tuple, tuple[np.ndarray, list[tuple[int, int, int]]]] = {}
         self.flows = 0
         self.batches = 0
         self.solves = 0
+        self.splits = 0                 # class batches that had to go on flow by flow
         self.recomputes = 0
 
     # -- API ------------------------------------------------------------------------------------
     def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
-             owner: ContentionSink | None = None) -> None:
+             owner: ContentionSink | None = None, classes: FlowClasses | None = None) -> None:
         """Start flows ``idx`` of ``route`` (all when ``None``) now, ``nbytes[k]`` bytes for the k-th.
-        ``on_delivered(flow ids or None for all, time)`` is called as they arrive (maybe in parts)."""
-        links = route.links if idx is None else route.links[idx]
-        n = len(links)
+        With ``classes``, ``idx`` names classes of flows (each of its flows carries ``nbytes[k]``).
+        ``on_delivered(ids or None for all, time)`` is called as they arrive (maybe in parts)."""
+        total = route.n if classes is None else classes.n
+        n = total if idx is None else len(idx)
         if not n:
             return
         self._advance()
         nbytes = np.asarray(nbytes, dtype=np.float64)
-        self._batches.append(_Batch(route, idx, n, on_delivered, owner))
-        self._bstats = np.concatenate((self._bstats, [[0, -1, 0]]))
-        self.flows += n
+        self._batches.append(_Batch(route, classes, idx, n, on_delivered, owner))
+        self._bstats.append([0, -1, 0])
+        if classes is None:
+            self.flows += n
+            lat = route.latency_s
+        else:
+            self.flows += int(classes.ptr[-1]) if idx is None else int(classes.mult[idx].sum())
+            lat = classes.latency_s
         self.batches += 1
-        h, w = self._links.shape[1], links.shape[1]
-        if w > h:
-            self._links = np.pad(self._links, ((0, 0), (0, w - h)), constant_values=-1)
-        elif w < h:
-            links = np.pad(links, ((0, 0), (0, h - w)), constant_values=-1)
-        self._links = np.concatenate((self._links, links))
         self._rem = np.concatenate((self._rem, nbytes))
         self._rate = np.concatenate((self._rate, np.zeros(n)))
-        self._lat = np.concatenate((self._lat, route.latency_s if idx is None else route.latency_s[idx]))
-        self._fid = np.concatenate((self._fid, np.arange(n) if idx is None else idx))
-        fl = links.ravel()
-        ok = fl >= 0
-        self.link_bytes += np.bincount(fl[ok], weights=np.repeat(nbytes, links.shape[1])[ok],
-                                       minlength=len(self.cap))
+        self._lat = np.concatenate((self._lat, lat if idx is None else lat[idx]))
+        self._uid = np.concatenate((self._uid, np.arange(n) if idx is None else idx))
+        # bytes per entry, spread over the links when they are read (link_bytes)
+        skey = (route.id, -1 if classes is None else classes.id)
+        sent = self._sent.get(skey)
+        if sent is None:
+            sent = self._sent[skey] = (route, classes, np.zeros(total))
+        if idx is None:
+            sent[2][:] += nbytes
+        else:
+            sent[2][idx] += nbytes
         self._touch()
 
     @property
     def busy(self) -> bool:
         return bool(self._batches)
+
+    @property
+    def link_bytes(self) -> np.ndarray:
+        """Bytes each link carried so far."""
+        nl = len(self.cap)
+        for route, classes, acc in self._sent.values():
+            per_flow = acc if classes is None else np.repeat(acc, classes.mult)
+            links = route.links if classes is None else route.links[classes.flows]
+            ok = links >= 0
+            self._link_bytes += np.bincount(links[ok], weights=np.repeat(per_flow, links.shape[1])[ok.ravel()],
+                                            minlength=nl)
+        self._sent.clear()
+        return self._link_bytes
 
     # -- the fluid dynamics -----------------------------------------------------------------------
     def _advance(self) -> None:
@@ -166,13 +208,29 @@ class FlowNetwork:
         self._t = now
 
     def _touch(self) -> None:
-        if not self._dirty:
-            self._dirty = True
-            ev = self.env.event()
-            ev.callbacks.append(self._settle)
-            ev.succeed()
+        self._dirty = True
+        if not self._in_cb and not self._scheduled:
+            self._schedule_settle()
 
-    def _settle(self, _ev=None) -> None:
+    def _schedule_settle(self) -> None:
+        self._scheduled = True
+        ev = self.env.event()
+        ev.callbacks.append(self._settle_event)
+        ev.succeed()
+
+    def _flush(self) -> None:
+        """End of a callback of ours: settle now if nothing else happens at this instant, else later."""
+        if self._dirty and not self._scheduled:
+            if self.env.peek() > self.env.now:
+                self._settle()
+            else:
+                self._schedule_settle()
+
+    def _settle_event(self, _ev: simpy.Event) -> None:
+        self._scheduled = False
+        self._settle()
+
+    def _settle(self) -> None:
         """Recompute rates for the current flows and schedule the next completion."""
         self._dirty = False
         self._advance()
@@ -186,46 +244,119 @@ class FlowNetwork:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._solve()
-            if len(self._cache) > 4096:
+            key = tuple(b.key for b in self._batches)      # a class split into flows changes its key
+            if len(self._cache) > _CACHE_MAX:
                 self._cache.clear()
             self._cache[key] = hit
         self._rate, stats = hit
-        bs = self._bstats
-        upd = stats[:, 0] > bs[:, 0]
-        bs[upd, :2] = stats[upd, :2]
-        np.maximum(bs[:, 2], stats[:, 2], out=bs[:, 2])
+        for row, (f, lk, own) in zip(self._bstats, stats):
+            if f > row[0]:
+                row[0], row[1] = f, lk
+            if own > row[2]:
+                row[2] = own
         if self.recorder is not None:
-            self.recorder.link_rates(self.env.now, self._links, self._rate)
-        tnext = float((self._rem / self._rate).min())
+            links, mult = self._flows()
+            self.recorder.link_rates(self.env.now, links, np.repeat(self._rate, mult))
+        tnext = max(float((self._rem / self._rate).min()), 0.0)
+        if self.eager:
+            self._arm(tnext)
+            return
         version = self._version
-        ev = self.env.timeout(max(tnext, 0.0))
+        ev = self.env.timeout(tnext)
         ev.callbacks.append(lambda _e: self._complete(version))
 
-    def _solve(self) -> tuple[np.ndarray, np.ndarray]:
+    def _arm(self, delay: float) -> None:
+        """Wake up at the next completion, ``delay`` from now. A wake already pending for that instant
+        (the same flows' completion, recomputed after an unrelated change: equal to 1e-12) is reused
+        rather than adding one more event; the others stay pending and are ignored when they fire."""
+        t = self.env.now + delay
+        for w in self._wakes:
+            if abs(w - t) <= _SAME_INSTANT * t:
+                self._target = w
+                return
+        self._wakes.add(t)
+        self._target = t
+        ev = self.env.timeout(delay)
+        ev.callbacks.append(lambda _e: self._wake(t))
+
+    def _wake(self, t: float) -> None:
+        self._wakes.discard(t)
+        if t == self._target:
+            self._target = -1.0
+            self._complete(self._version)
+
+    def _flows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every flow in flight as a padded link matrix (entry after entry), and the flows per entry."""
+        parts, mults = [], []
+        at = 0
+        for b in self._batches:
+            ids = self._uid[at:at + b.n]
+            at += b.n
+            if b.classes is None:
+                parts.append(b.route.links[ids])
+                mults.append(np.ones(b.n, dtype=np.int64))
+            else:
+                flows, mult = b.classes.expand(ids)
+                parts.append(b.route.links[flows])
+                mults.append(mult)
+        h = max(x.shape[1] for x in parts)
+        parts = [x if x.shape[1] == h else np.pad(x, ((0, 0), (0, h - x.shape[1])), constant_values=-1)
+                 for x in parts]
+        return np.concatenate(parts), np.concatenate(mults)
+
+    def _solve(self) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
         self.solves += 1
-        links = self._links
-        rates, counts = max_min_rates(links, self.cap)
+        while True:
+            links, mult = self._flows()
+            rates, counts = max_min_rates(links, self.cap)
+            starts = np.concatenate(([0], np.cumsum(mult)[:-1]))
+            lo = np.minimum.reduceat(rates, starts)
+            bad = np.maximum.reduceat(rates, starts) != lo
+            if not bad.any():
+                break
+            self._split(bad)
         np.maximum(self.link_max_flows, counts, out=self.link_max_flows)
         # per batch: the most flows (of anyone) on one of its links, which link, and its own most
-        sizes = np.array([b.n for b in self._batches])
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        sizes = np.add.reduceat(mult, np.concatenate(([0], np.cumsum([b.n for b in self._batches])[:-1])))
+        fstarts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         ext = np.append(counts, -1)
         per = ext[links]
         j = per.argmax(axis=1)
         fmax = per[np.arange(len(per)), j]
         flink = links[np.arange(len(per)), j]
-        bmax = np.maximum.reduceat(fmax, starts)
-        batch_of = np.repeat(np.arange(len(sizes)), sizes)
-        first = np.flatnonzero(fmax == bmax[batch_of])
-        _, pick = np.unique(batch_of[first], return_index=True)
-        nl = len(self.cap)
-        ok = links >= 0
-        pair = (np.repeat(batch_of, links.shape[1]).reshape(links.shape) * nl + links)[ok]
-        upair, cnt = np.unique(pair, return_counts=True)
-        own = np.zeros(len(sizes), dtype=np.int64)
-        np.maximum.at(own, upair // nl, cnt)
-        stats = np.stack((bmax, flink[first[pick]], own), axis=1).astype(np.int64)
-        return rates, stats
+        bmax = np.maximum.reduceat(fmax, fstarts)
+        stats = []
+        for j, (a, n) in enumerate(zip(fstarts.tolist(), sizes.tolist())):     # few batches
+            seg = links[a:a + n]
+            stats.append((int(bmax[j]), int(flink[a + int(np.argmax(fmax[a:a + n] == bmax[j]))]),
+                          int(np.bincount(seg[seg >= 0]).max())))
+        return lo, stats
+
+    def _split(self, bad: np.ndarray) -> None:
+        """The batches holding an entry whose flows got different rates go on flow by flow (exact: until
+        now its flows moved alike); their owner goes on member by member and is told the ids are flows."""
+        rem, lat, uid = [], [], []
+        at = 0
+        for b in self._batches:
+            lo, hi = at, at + b.n
+            at = hi
+            if b.classes is None or not bad[lo:hi].any():
+                rem.append(self._rem[lo:hi])
+                lat.append(self._lat[lo:hi])
+                uid.append(self._uid[lo:hi])
+                continue
+            if b.owner is None or not hasattr(b.owner, "expand"):
+                raise SymmetryBroken("flows of one class got different rates and their owner cannot split")
+            flows, mult = b.classes.expand(self._uid[lo:hi])
+            rem.append(np.repeat(self._rem[lo:hi], mult))
+            lat.append(b.route.latency_s[flows])
+            uid.append(flows)
+            b.classes, b.n, b.key = None, len(flows), (b.route.id, -1, flows.tobytes())
+            b.on_delivered = functools.partial(b.on_delivered, flows=True)
+            b.owner.expand()
+            self.splits += 1
+        self._rem, self._lat, self._uid = np.concatenate(rem), np.concatenate(lat), np.concatenate(uid)
+        self._rate = np.zeros(len(self._rem))
 
     def _complete(self, version: int) -> None:
         if version != self._version:
@@ -236,37 +367,41 @@ class FlowNetwork:
         with np.errstate(divide="ignore", invalid="ignore"):
             left = self._rem / self._rate          # flows started at this instant have no rate yet: inf
         done = left <= self.resolution_s + max(0.0, float(left.min()))
-        sizes = np.array([b.n for b in self._batches])
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        ndone = np.add.reduceat(done, starts) if len(starts) else sizes
         finished = []
         alive = []
         bkeep = np.ones(len(self._batches), dtype=bool)
-        for j, (b, at, k) in enumerate(zip(self._batches, starts.tolist(), ndone.tolist())):
+        at = 0
+        for j, b in enumerate(self._batches):
+            lo, hi = at, at + b.n
+            at = hi
+            sub = done[lo:hi]
+            k = int(sub.sum()) if b.n > 1 else int(sub[0])
             if k == 0:
                 alive.append(b)
                 continue
-            sub = done[at:at + b.n]
             if k == b.n:
-                finished.append((b.on_delivered, None if b.key[1] is None else self._fid[at:at + b.n],
-                                 self._lat[at:at + b.n]))
+                finished.append((b.on_delivered, None if b.key[2] is None else self._uid[lo:hi], self._lat[lo:hi]))
                 bkeep[j] = False
                 if b.owner is not None:
-                    b.owner.contention(*self._bstats[j].tolist())
+                    b.owner.contention(*self._bstats[j])
                 continue
-            fid = self._fid[at:at + b.n]
-            finished.append((b.on_delivered, fid[sub], self._lat[at:at + b.n][sub]))
+            uid = self._uid[lo:hi]
+            finished.append((b.on_delivered, uid[sub], self._lat[lo:hi][sub]))
             b.n -= k
-            b.key = (b.route.id, fid[~sub].tobytes())
+            b.key = (b.key[0], b.key[1], uid[~sub].tobytes())
             alive.append(b)
         keep = ~done
-        self._links, self._rem = self._links[keep], self._rem[keep]
-        self._rate, self._lat, self._fid = self._rate[keep], self._lat[keep], self._fid[keep]
+        self._rem, self._rate = self._rem[keep], self._rate[keep]
+        self._lat, self._uid = self._lat[keep], self._uid[keep]
         self._batches = alive
-        self._bstats = self._bstats[bkeep]
+        self._bstats = [row for row, k in zip(self._bstats, bkeep.tolist()) if k]
         for cb, ids, lat in finished:
             self._deliver(cb, ids, lat)
-        self._touch()
+        self._dirty = True
+        if self.eager:
+            self._flush()
+        elif not self._scheduled:
+            self._schedule_settle()
 
     def _deliver(self, cb: Delivered, ids: np.ndarray | None, lat: np.ndarray) -> None:
         lo, hi = lat.min(), lat.max()
@@ -281,4 +416,15 @@ class FlowNetwork:
 
     def _later(self, cb: Delivered, ids: np.ndarray | None, delay: float) -> None:
         ev = self.env.timeout(delay)
-        ev.callbacks.append(lambda _e: cb(ids, self.env.now))
+        if not self.eager:
+            ev.callbacks.append(lambda _e: cb(ids, self.env.now))
+            return
+
+        def fire(_e: simpy.Event) -> None:
+            self._in_cb = True
+            try:
+                cb(ids, self.env.now)
+            finally:
+                self._in_cb = False
+            self._flush()
+        ev.callbacks.append(fire)

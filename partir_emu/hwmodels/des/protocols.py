@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import simpy
 
-from partir_emu.hwmodels.des.routing import RoutePattern
+from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern
 
 Delivered = Callable[[np.ndarray | None, float], None]
 """``on_delivered(flow ids, or None for all flows of the send, time)``."""
@@ -41,8 +41,9 @@ class Network(Protocol):
     link_max_flows: np.ndarray       # per link: most flows at once
 
     def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
-             owner: ContentionSink | None = None) -> None:
-        """Start flows ``idx`` of ``route`` (all when ``None``) now, ``nbytes[k]`` bytes for the k-th."""
+             owner: ContentionSink | None = None, classes: FlowClasses | None = None) -> None:
+        """Start flows ``idx`` of ``route`` (all when ``None``) now, ``nbytes[k]`` bytes for the k-th
+        (with ``classes``: ``idx`` names classes of flows; only the flow network takes them)."""
 
 
 class CollectiveHost(Protocol):

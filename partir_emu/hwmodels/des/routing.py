@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,7 +19,8 @@ from partir_emu.hwmodels import links as _links
 from partir_emu.hwmodels.links import LinkSpecError, link_factors, parse_links
 from partir_emu.hwmodels.topology import Topology
 
-__all__ = ["DesError", "LinkSpecError", "RoutePattern", "Router", "link_factors", "parse_links"]
+__all__ = ["DesError", "FlowClasses", "LinkSpecError", "RoutePattern", "Router", "SymmetryBroken", "link_factors",
+           "parse_links"]
 
 
 class DesError(PartirError):
@@ -37,6 +38,39 @@ class RoutePattern:
     @property
     def n(self) -> int:
         return len(self.latency_s)
+
+
+class SymmetryBroken(Exception):
+    """Flows of one class got different rates: the run is redone without flow classes (internal)."""
+
+
+_class_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class FlowClasses:
+    """The flows of a :class:`RoutePattern` in classes that move alike (same bytes, start, latency, and,
+    checked at every rate solve, the same rate): class ``c`` is flows ``flows[ptr[c]:ptr[c+1]]``."""
+
+    flows: np.ndarray          # int64: flow ids, class by class
+    ptr: np.ndarray            # int64 [n + 1]
+    latency_s: np.ndarray      # float64 [n]: the (common) route latency of each class
+    id: int = field(default_factory=lambda: next(_class_ids))
+    mult: np.ndarray = field(init=False)      # flows per class
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mult", np.diff(self.ptr))
+
+    @property
+    def n(self) -> int:
+        return len(self.latency_s)
+
+    def expand(self, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(flow ids, flows per class)`` of ``classes``, class after class."""
+        lo, mult = self.ptr[classes], self.mult[classes]
+        total = int(mult.sum())
+        offs = np.repeat(lo - np.concatenate(([0], np.cumsum(mult)[:-1])), mult)
+        return self.flows[np.arange(total) + offs], mult
 
 
 class Router(_links.Router):

@@ -12,8 +12,10 @@ reaches ``ready_pos[c]`` (ZeRO-3 gathers: where the prefetch budget lets them go
 ``Wait(c)`` at its first real consumer, and the collectives in the schedule's
 issue order. A collective's **gate** opens for a device when all its prerequisites
 have fired there: its ``Ready``, the collectives that produce its input, and the
-collective ``comm_streams`` places earlier in issue order (a stream runs one
-collective at a time).
+collective issued before it on its communication stream (a stream runs one collective
+at a time; :func:`..streams.stream_prereqs`, the rule the analytical schedule follows:
+the schedule's streams when it was priced with ``comm_streams`` streams, else rank ``r``
+in issue order waits for rank ``r - comm_streams``).
 
 **Loops are run, not multiplied.** A ``loop`` equation's place in the stream holds its body's
 stream once per iteration (nested loops likewise), so the DES simulates every iteration and every
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.hwmodels.pricing import Priced
+from partir_emu.hwmodels.streams import round_robin, stream_prereqs
 
 COMPUTE, READY, WAIT = 0, 1, 2
 
@@ -62,12 +65,22 @@ def compile_stream(priced: Priced, overlap: bool, comm_streams: int = 1) -> OpSt
     b = _Builder(overlap, _instances(priced))
     order = b.emit(priced, 0, ())
     prereqs = [set(p) for p in b.prods]
-    for rank, c in enumerate(order):
-        if rank >= comm_streams:
-            prereqs[c].add(order[rank - comm_streams])
+    # the stream rule (..streams): each instance waits for the one issued before it on its stream; the
+    # streams are the schedules' when they were made for comm_streams, else by issue rank modulo it
+    streams = b.stream if overlap and _made_for(priced, comm_streams) else round_robin(order, comm_streams)
+    for c, p in enumerate(stream_prereqs(order, streams)):
+        if p >= 0:
+            prereqs[c].add(p)
     assert sum(a.kind == WAIT for a in b.actions) == len(order) == len(b.comm)
     return OpStream(tuple(b.actions), tuple(b.index), tuple(tuple(sorted(p)) for p in prereqs), tuple(b.comm),
                     tuple(b.at))
+
+
+def _made_for(pr: Priced, comm_streams: int) -> bool:
+    """Whether ``pr``'s schedules (its own and every body's) were made for ``comm_streams`` streams."""
+    if pr.sched is None or pr.sched.streams != comm_streams:
+        return False
+    return all(_made_for(b, comm_streams) for b in pr.bodies.values())
 
 
 def _instances(pr: Priced) -> int:
@@ -86,6 +99,7 @@ class _Builder:
         self.comm: list[tuple] = [()] * total
         self.at: list[tuple[int, ...]] = [()] * total
         self.prods: list[tuple[int, ...]] = [()] * total
+        self.stream = [0] * total                 # per instance: its stream in its schedule
         self._count: dict[int, int] = {}
 
     def count(self, pr: Priced) -> int:
@@ -107,7 +121,10 @@ class _Builder:
             deps = pr.analysis.dependencies()
             cpos = {e: c for c, e in enumerate(comm_idx)}
             prods = tuple(tuple(cpos[j] for j in deps[e] if j in cpos) for e in comm_idx)
+        local_stream = pr.sched.stream if self.overlap and pr.sched is not None else None
         for c, g in enumerate(gid):
+            if local_stream is not None:
+                self.stream[g] = local_stream[c]
             self.index[g] = comm_idx[c]
             self.comm[g] = pc.comm[c]
             self.at[g] = at

@@ -1,0 +1,226 @@
+"""Contention-aware pricing of a collective schedule: every group at once, each link shared by its load.
+
+A collective over mesh axes runs in every group over those axes at the same time (the DES runs them
+all, :func:`~.des.collective.make_groups`). A :class:`Fabric` prices one step of the schedule from
+the messages of *every* group: a directed link crossed by ``k`` messages of the step (whatever their
+group) gives each ``bw / k``; a message takes ``sum of its links' latencies + nbytes / its bottleneck
+bandwidth``; a step lasts as long as its slowest message; a collective is the sum of its steps. With
+one group, or groups on disjoint links, this is the per-group alpha–beta closed form.
+
+Routes and bandwidths come from a :class:`~.links.Router`, so degraded links (``bw × factor``) and
+failed links (routes detour around them) are priced as the DES sees them.
+
+Everything is vectorised: a step's flows (messages × groups) form a *pattern* (their routes as a
+padded link-id matrix, the per-flow latency and seconds per byte); steps with the same
+``(src, dst)`` pairs share one pattern, built once (rings repeat one pattern every step), and all
+steps of a pattern are priced in one array expression. Link loads are ``np.bincount`` over the
+pattern's link ids.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from partir_emu.collectives.schedule import CollectiveSchedule
+from partir_emu.hwmodels.links import Router
+from partir_emu.hwmodels.placement import Placement
+from partir_emu.hwmodels.topology import Topology
+
+_MAX_PATTERN_CELLS = 1 << 24  # link-id cells of the patterns kept per fabric (128 MiB); past that it starts afresh
+_BLOCK = 1 << 22              # elements per priced block of steps (bounds the temporary arrays)
+
+
+@dataclass(frozen=True)
+class Messages:
+    """A schedule's messages (its transfers merged by step and ``(src, dst)``), flat and by step:
+    step ``s`` is ``ptr[s]:ptr[s+1]``; ``pair = src * p + dst`` ascending inside a step."""
+
+    p: int
+    ptr: np.ndarray            # int64 [steps + 1]
+    pair: np.ndarray           # int64
+    nbytes: np.ndarray         # float64
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.ptr) - 1
+
+
+_MESSAGES: dict[int, tuple[CollectiveSchedule, Messages]] = {}
+_MAX_MESSAGES = 256               # schedules whose messages are kept ...
+_MAX_MESSAGE_ROWS = 1 << 24       # ... holding at most this many messages in all (256 MiB)
+_held = [0]
+
+
+def schedule_messages(sched: CollectiveSchedule) -> Messages:
+    """The messages of every step of ``sched`` (``CollectiveSchedule.messages`` as arrays). Kept for the
+    last schedules seen (by identity: ``build_schedule`` returns the same object for the same request,
+    and a placement search prices one schedule on many placements)."""
+    hit = _MESSAGES.get(id(sched))
+    if hit is not None and hit[0] is sched:
+        return hit[1]
+    msgs = _messages(sched)
+    if len(_MESSAGES) >= _MAX_MESSAGES or _held[0] + len(msgs.pair) > _MAX_MESSAGE_ROWS:
+        _MESSAGES.clear()
+        _held[0] = 0
+    _MESSAGES[id(sched)] = (sched, msgs)      # the schedule is kept alive with it: its id stays its own
+    _held[0] += len(msgs.pair)
+    return msgs
+
+
+def _messages(sched: CollectiveSchedule) -> Messages:
+    p = sched.p
+    tab = sched.table()
+    S = tab.num_steps
+    if not len(tab):
+        return Messages(p, np.zeros(S + 1, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    key = (tab.step_of() * p + tab.src.astype(np.int64)) * p + tab.dst
+    nbytes = tab.nbytes.astype(np.float64)
+    if len(key) < 2 or bool((key[1:] > key[:-1]).all()):
+        uniq, nb = key, nbytes                # one transfer per message, in order (most schedules): no sort
+    else:
+        uniq, inv = np.unique(key, return_inverse=True)
+        nb = np.bincount(inv.ravel(), weights=nbytes, minlength=len(uniq)).astype(np.float64)
+    step = uniq // (p * p)
+    ptr = np.searchsorted(step, np.arange(S + 1), side="left").astype(np.int64)
+    return Messages(p, ptr, uniq % (p * p), nb)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The flows of one step pattern run by every group: flow ``g * K + k`` is message ``k`` of group ``g``."""
+
+    links: np.ndarray          # int64 [G*K, H] link ids, -1 padded
+    lat: np.ndarray            # float64 [U, K]: per distinct group row, each message's route latency
+    inv_bw: np.ndarray         # float64 [U, K]: seconds per byte at the message's shared bottleneck (0: no link)
+    hops: int                  # longest route
+
+
+class Fabric:
+    """Routes and effective link bandwidths of a topology with its faults (``link_factors``:
+    ``{link id: factor}``, 0 = failed), and the contention-aware prices of schedules on it.
+    :meth:`groups` needs the ``placement`` (the mesh on this topology)."""
+
+    def __init__(self, topology: Topology, link_factors: Mapping[int, float] | None = None,
+                 placement: Placement | None = None, router: Router | None = None) -> None:
+        self.placement = placement
+        self.router = router if router is not None else Router(topology, link_factors)
+        self._groups: dict[tuple, tuple[int, np.ndarray]] = {}
+        self._patterns: dict[tuple[int, bytes], Pattern] = {}
+        self._cells = 0                                       # link-id cells held by the patterns
+        self.link_bytes_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def link_bw(self) -> np.ndarray:
+        """Bandwidth of each link id in bytes/s, degraded factors applied (failed: 0)."""
+        return self.router.bw
+
+    # -- groups ------------------------------------------------------------------------------------
+    def groups(self, axes: tuple[str, ...], chips: tuple[int, ...]) -> tuple[int, np.ndarray]:
+        """``(token, chips[G, p])``: every group over ``axes``, positions in the order ``chips`` gives the
+        representative group (the one of device 0), as :func:`~.des.collective.make_groups` orders them
+        (GPU: each group by node, then chip). ``token`` names the array in the pattern cache."""
+        key = (axes, chips)
+        hit = self._groups.get(key)
+        if hit is None:
+            hit = self._groups[key] = (len(self._groups), self._build_groups(axes, chips))
+        return hit
+
+    def _build_groups(self, axes: tuple[str, ...], chips: tuple[int, ...]) -> np.ndarray:
+        pl = self.placement
+        assert pl is not None, "Fabric.groups needs the placement"
+        topo = pl.topology
+        table = np.array([pl.chip_of(d) for d in range(pl.mesh.size)], dtype=np.int64)
+        rows = table[np.array(pl.mesh.groups(axes), dtype=np.int64)]          # [G, p], mesh order
+        rep = rows[0].tolist()
+        if topo.kind == "gpu" and list(chips) == sorted(rep, key=lambda c: (topo.node_of(c), c)):
+            node = np.array([topo.node_of(c) for c in range(topo.num_chips)], dtype=np.int64)
+            order = np.lexsort((rows, node[rows]), axis=1)
+            return np.take_along_axis(rows, order, axis=1)
+        at = {c: j for j, c in enumerate(rep)}
+        return rows[:, [at[c] for c in chips]]
+
+    # -- patterns ----------------------------------------------------------------------------------
+    def _pattern(self, token: int, chips: np.ndarray, pairs: np.ndarray, p: int) -> Pattern:
+        key = (token, pairs.tobytes())
+        pat = self._patterns.get(key)
+        if pat is None:
+            pat = self._build_pattern(chips, pairs, p)
+            if self._cells + pat.links.size > _MAX_PATTERN_CELLS:
+                self._patterns.clear()
+                self._cells = 0
+            self._patterns[key] = pat
+            self._cells += pat.links.size
+        return pat
+
+    def _build_pattern(self, chips: np.ndarray, pairs: np.ndarray, p: int) -> Pattern:
+        G, K = chips.shape[0], len(pairs)
+        links = self.router.route_matrix(chips[:, pairs // p].ravel(), chips[:, pairs % p].ravel())
+        valid = links >= 0
+        hops = int(valid.sum(axis=1).max(initial=0))
+        ids = np.where(valid, links, 0)
+        load = np.bincount(links[valid], minlength=self.router.num_links).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            share = np.where(valid, self.router.bw[ids] / np.maximum(load[ids], 1.0), np.inf)
+            inv = 1.0 / share.min(axis=1)                      # 0 for a flow that crosses no link
+        lat = np.where(valid, self.router.latency[ids], 0.0).sum(axis=1)
+        lat, inv = lat.reshape(G, K), inv.reshape(G, K)
+        if G > 1:                                              # symmetric groups collapse to one row
+            rows = np.unique(np.concatenate((lat, inv), axis=1), axis=0)
+            lat, inv = rows[:, :K], rows[:, K:]
+        return Pattern(links, lat, inv, hops)
+
+    def _runs(self, msgs: Messages, token: int, chips: np.ndarray) -> Iterator[tuple[Pattern, np.ndarray]]:
+        """The schedule's non-empty steps grouped by pattern, in blocks: ``(pattern, nbytes[steps, K])``."""
+        ptr, pair = msgs.ptr, msgs.pair
+        counts = np.diff(ptr)
+        steps = np.flatnonzero(counts)
+        if not steps.size:
+            return
+        # a cheap signature per step; steps that share it are checked to be identical below
+        w = (pair * 0x9E3779B1 + 0x7F4A7C15) % 2_147_483_647
+        sig = np.stack((counts[steps], np.add.reduceat(pair, ptr[steps]), np.add.reduceat(w, ptr[steps])), axis=1)
+        _, which = np.unique(sig, axis=0, return_inverse=True)
+        which = which.ravel()
+        for u in range(int(which.max()) + 1):
+            ss = steps[which == u]
+            K = int(counts[ss[0]])
+            first = pair[ptr[ss[0]]:ptr[ss[0]] + K]
+            pat = self._pattern(token, chips, first, msgs.p)
+            per = max(1, _BLOCK // K)
+            for lo in range(0, len(ss), per):
+                ix = ptr[ss[lo:lo + per]][:, None] + np.arange(K)[None, :]
+                same = (pair[ix] == first[None, :]).all(axis=1)
+                yield pat, msgs.nbytes[ix[same]]
+                for i in np.flatnonzero(~same).tolist():       # a signature collision (rare): on its own
+                    yield self._pattern(token, chips, pair[ix[i]], msgs.p), msgs.nbytes[ix[i]][None, :]
+
+    # -- prices ------------------------------------------------------------------------------------
+    def price(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[float, int, int]:
+        """``(seconds, messages of one group, longest route)`` of ``sched`` run by the groups ``chips``."""
+        msgs = schedule_messages(sched)
+        total = 0.0
+        hops = 0
+        for pat, nb in self._runs(msgs, token, chips):
+            hops = max(hops, pat.hops)
+            U, K = pat.lat.shape
+            per = max(1, _BLOCK // max(1, U * K))
+            for lo in range(0, len(nb), per):
+                b = nb[lo:lo + per]
+                t = (pat.lat[None, :, :] + b[:, None, :] * pat.inv_bw[None, :, :]).max(axis=(1, 2))
+                total += float(t.sum())
+        return total, len(msgs.pair), hops
+
+    def link_bytes(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(link ids, bytes)``: what ``sched`` moves over each directed link, summed over its steps
+        and every group (links that carry nothing are left out)."""
+        acc = np.zeros(self.router.num_links)
+        G = chips.shape[0]
+        for pat, nb in self._runs(schedule_messages(sched), token, chips):
+            flow = np.tile(nb.sum(axis=0), G)
+            valid = pat.links >= 0
+            w = np.broadcast_to(flow[:, None], pat.links.shape)[valid]
+            acc += np.bincount(pat.links[valid], weights=w, minlength=len(acc))
+        ids = np.flatnonzero(acc)
+        return ids.astype(np.int64), acc[ids]
