@@ -65,5 +65,7 @@ def test_bp_auto_is_priced_no_higher_than_any_manual_strategy(scenario, preset, 
     if strict:      # where the model axis pays, the search beats the experts' strategies outright
         assert got.value < best.value * (1 - 1e-3) and got.value < manual["bp"].value / 1.2, (
             got.value, {s: p.value for s, p in manual.items()})
+    # the search priced what its decisions do where they meet: no "split the tactic" advice
+    assert low.warnings == [], low.warnings
     (label, result) = low.final_state.auto_results[-1]
     assert result.evaluations >= 1 and result.seconds > 0

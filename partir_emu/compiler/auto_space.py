@@ -73,7 +73,10 @@ class Space:
             for i in (*fam.members, *fam.mirrors):
                 idx.setdefault(i, d)
             pats[fam.label] = d
-        return DecidedPartition(pats, axis=axis, name=name, allow_unmatched=True, indices=tuple(sorted(idx.items())))
+        # meet="reshard": where the decisions' seeds meet with different tilings, the search has
+        # priced the resharding that follows; a warning to split the tactic would not apply
+        return DecidedPartition(pats, axis=axis, name=name, allow_unmatched=True, meet="reshard",
+                                indices=tuple(sorted(idx.items())))
 
     def labels(self, decisions: Mapping[int, int]) -> dict[str, int]:
         return {self.families[k].label: d for k, d in sorted(decisions.items())}
