@@ -153,7 +153,7 @@ def test_uncontended_ring_all_reduce_closed_form_exactly():
 def test_pairwise_all_to_all_members_run_ahead(topology):
     """Pairwise exchange flattened over 64 chips: at step k member i sends to i+k, and the messages
     of one step cross the network unevenly (1 to 6 torus hops; NVLink or NIC). Priced step by step in
-    lock step, max-min rates give exactly the analytical time (checked here); but a member whose
+    lock step, max-min rates give the lock-step sum (the analytical price is no less); but a member whose
     messages of step k were quick starts step k+1 while others are still in step k, and their flows
     meet on the links: the DES (per-member sendrecv, as MPI's pairwise all-to-all runs) is slower.
     Not a closed-form case; the direction is what the test holds."""
@@ -177,8 +177,10 @@ def test_pairwise_all_to_all_members_run_ahead(topology):
         pat = router.pattern(np.array([choice.chips[m.src] for m in msgs]), np.array([choice.chips[m.dst] for m in msgs]))
         rates, _ = max_min_rates(pat.links, router.bw)
         lockstep += float((pat.latency_s + np.array([m.nbytes for m in msgs]) / rates).max())
-    assert lockstep == pytest.approx(ana.step_s, rel=1e-9)
-    assert des.step_s > 1.005 * ana.step_s
+    # the analytical price adds what the early members' flows take (hwmodels/async_steps.py): never
+    # below the lock-step sum, and the DES is slower than lock step
+    assert ana.step_s >= lockstep * (1 - 1e-9)
+    assert des.step_s > 1.005 * lockstep
 
 
 # -- contended: DES differs from the analytical model, by a hand calculation --------------------------

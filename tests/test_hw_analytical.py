@@ -15,6 +15,7 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import UnsupportedPrimitiveError
 from partir_emu.hwmodels import cost_rules, load_spec, peak_memory, simulate
 from partir_emu.hwmodels.costs import eqn_cost
+from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.specs import DATA_DIR, spec_from_dict
 
 REL = 1e-9
@@ -213,8 +214,13 @@ def test_placement_changes_the_price():
     ring = simulate(spmd, "tpu-v5e", slice_dims=(1, 8), algorithms="ring")
     bidir = simulate(spmd, "tpu-v5e", slice_dims=(1, 8), algorithms="bidir_ring")
     assert ring.collectives[0].algorithm == "ring" and bidir.collectives[0].algorithm == "bidir_ring"
-    # on an open line each ring's closing message shares the other direction: no gain from bidir
-    assert ring.comm_s == pytest.approx(bidir.comm_s, rel=REL)
+    # on an open line each ring's closing message shares the other direction: no gain from bidir (the DES
+    # shows it; the analytical ring equals it). The bidir ring's routes are uneven (the closing messages
+    # cross the line), so the analytical model takes the members' critical path, which over-counts the
+    # early messages' sharing here by 4.6 % (README, Limits)
+    des = {a: simulate_des(spmd, "tpu-v5e", slice_dims=(1, 8), algorithms=a).comm_s for a in ("ring", "bidir_ring")}
+    assert des["ring"] == pytest.approx(des["bidir_ring"], rel=REL) == ring.comm_s
+    assert des["bidir_ring"] <= bidir.comm_s <= 1.05 * des["bidir_ring"]
     torus = simulate(spmd, "tpu-v5e", slice_dims=(2, 4), algorithms="torus")
     assert torus.collectives[0].algorithm == "torus" and torus.comm_s < ring.comm_s
     best = simulate(spmd, "tpu-v5e", slice_dims=(2, 4))      # the cheapest candidate, multidim here

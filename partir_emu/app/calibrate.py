@@ -32,7 +32,7 @@ from partir_emu.hwmodels.specs import HardwareSpec
 try:
     import tomllib
 except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
 
 LOW, HIGH = 0.2, 1.0      # the fraction is searched in this interval
 TOLERANCE = 1e-4          # bisection stops when the interval is this narrow

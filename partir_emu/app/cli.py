@@ -66,9 +66,10 @@ def cmd_run(args) -> int:
             rep["lower_s"], rep["wall_s"] = lower_s, rep["wall_s"] + lower_s
         else:
             phases.phase("MPI run (lowering, launch, step, gather, verify)")
-            rep = run_mpi_cli(exp, args)
-            if rep is None:   # a non-zero rank under an external mpirun
+            mpi_rep = run_mpi_cli(exp, args)
+            if mpi_rep is None:   # a non-zero rank under an external mpirun
                 return 0
+            rep = mpi_rep
     write_report(rep, args.report)
     print(_summary(rep))
     return 0 if rep["verified"] else 1

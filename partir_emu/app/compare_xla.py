@@ -169,7 +169,7 @@ def failed(rep: dict) -> bool:
     return not rep["layout_ok"] or ("outputs" in rep and not rep["outputs"]["verified"])
 
 
-def report(exp: object, answer: dict) -> dict:
+def report(exp: Experiment, answer: dict) -> dict:
     """The JSON report of one comparison, from the child's answer."""
     ours_n, xla_n = normalise(answer["ours"]), normalise(answer["xla"])
     rep = {"scenario": exp.scenario_name, "strategy": exp.strategy, "mesh": dict(exp.mesh.axes),

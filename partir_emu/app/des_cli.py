@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from partir_emu.app import checks
@@ -23,7 +24,7 @@ from partir_emu.app.simulate_cli import (
     parse_slice,
     placement_lines,
 )
-from partir_emu.app.validate_cases import get_suite, read_cases, run_suite
+from partir_emu.app.validate_cases import Case, get_suite, read_cases, run_suite
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace
 from partir_emu.hwmodels.analytical import simulate
@@ -156,6 +157,7 @@ def _des_with_trace(spmd: Any, spec: Any, placement: Any, args: argparse.Namespa
 def cmd_validate(args: argparse.Namespace) -> int:
     _check_paths(args, "--report", "--plot")
     checks.check_cache_dir(args.cache, "--cache")
+    cases: Sequence[Case]
     if args.cases is not None:
         checks.check_input_file(args.cases, "--cases")
         cases = read_cases(args.cases)

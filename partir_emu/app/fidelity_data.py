@@ -36,7 +36,7 @@ from partir_emu.errors import PartirError
 try:
     import tomllib
 except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
 
 DATA_FILE = "fidelity.toml"
 GROUPS = ("required", "extra")
@@ -212,7 +212,7 @@ def parse_case(d: Any, at: str) -> Case:
 
 def default_path() -> Path:
     """The packaged data file."""
-    return Path(str(resources.files("partir_emu.app").joinpath("data", DATA_FILE)))
+    return Path(str(resources.files("partir_emu.app").joinpath("data").joinpath(DATA_FILE)))
 
 
 def load_cases(path: str | Path | None = None) -> list[Case]:

@@ -70,7 +70,8 @@ def numpy_inputs(scenario: str, preset: str | None, overrides: Any, seed: int) -
 def with_inputs(jobs: Sequence[dict], workdir: str | os.PathLike) -> list[dict]:
     """``jobs`` with every scenario job turned into an inputs-file job (files in ``workdir``,
     one per distinct scenario/preset/overrides/seed); jobs that name ``inputs`` are kept."""
-    out, files = [], {}
+    out: list[dict] = []
+    files: dict[str, str] = {}
     for job in jobs:
         job = dict(job)
         made_from = {key: job.pop(key, None) for key in ("scenario", "preset", "overrides", "seed")}
@@ -228,6 +229,7 @@ def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
     guard.close()
     if rank != 0:
         return None
+    assert res is not None   # why: run_job returns the result on rank 0, which this is
     st = res["stats"]
     try:
         refs = exp.references(inputs)

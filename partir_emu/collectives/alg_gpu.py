@@ -107,7 +107,8 @@ def tree_all_reduce(p: int, m: int, segments: int) -> Iterator[ArrayStep]:
 
 def _concat(steps: list[ArrayStep]) -> ArrayStep:
     red = np.concatenate([np.broadcast_to(np.asarray(s[4], bool), (len(s[0]),)) for s in steps])
-    return tuple(np.concatenate([np.asarray(s[i], np.int64) for s in steps]) for i in range(4)) + (red,)
+    src, dst, first, count = (np.concatenate([np.asarray(s[i], np.int64) for s in steps]) for i in range(4))
+    return src, dst, first, count, red
 
 
 # -------------------------------------------------------------------------------------------- rail
@@ -129,10 +130,10 @@ def _across_nodes(q: int, d: int, gather: bool) -> Iterable[ArrayStep]:
     if q & (q - 1):
         nd, lo = np.meshgrid(np.arange(q), np.arange(d), indexing="ij")
         return ring_arrays((nd * d + lo).T, (lo * q + nd).T, np.ones((d, q), np.int64), gather=gather)
-    out = []
+    out: list[ArrayStep] = []
     for src, dst, first, count, red in recursive_arrays(q, gather=gather):
-        lo = np.repeat(np.arange(d), q)
-        out.append((np.tile(src, d) * d + lo, np.tile(dst, d) * d + lo, lo * q + np.tile(first, d),
+        rail = np.repeat(np.arange(d), q)
+        out.append((np.tile(src, d) * d + rail, np.tile(dst, d) * d + rail, rail * q + np.tile(first, d),
                     np.tile(count, d), red))
     return out
 

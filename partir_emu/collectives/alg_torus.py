@@ -84,4 +84,5 @@ def multidim(shape: tuple[int, ...], gather: bool) -> Iterator[ArrayStep]:
     for steps in zip(*parts):
         n = [len(s[0]) for s in steps]
         red = np.concatenate([np.broadcast_to(np.asarray(s[4], bool), (k,)) for s, k in zip(steps, n)])
-        yield tuple(np.concatenate([s[i] for s in steps]) for i in range(4)) + (red,)
+        src, dst, first, count = (np.concatenate([s[i] for s in steps]) for i in range(4))
+        yield src, dst, first, count, red

@@ -45,6 +45,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -122,7 +123,7 @@ def default_algorithm(kind: str, group_shape: tuple[int, ...], devices_per_node:
 
 
 # ------------------------------------------------------------------ helpers
-def _as_int(value: object, name: str, what: str) -> int:
+def _as_int(value: Any, name: str, what: str) -> int:
     if isinstance(value, bool):
         raise CollectiveError(f"{name}={value!r} must be {what}")
     try:
@@ -158,7 +159,8 @@ def _resolve(kind: str, shape: tuple[int, ...], algorithm: str, dpn: int | None)
         return "ring"
     if algorithm in ("torus", "multidim") and not multi_dim:
         return "bidir_ring"
-    if algorithm in NODE_ALGORITHMS and not (1 < dpn < p and p % dpn == 0):
+    # dpn is not None here for a node algorithm (refused above): the check only narrows the type
+    if algorithm in NODE_ALGORITHMS and not (dpn is not None and 1 < dpn < p and p % dpn == 0):
         return "ring"
     if algorithm == "tree" and (kind != "all_reduce" or p < 2):
         return "ring"
@@ -187,6 +189,7 @@ def _layout(kind: str, algorithm: str, shape: tuple[int, ...], dpn: int | None, 
         m = alg_gpu.tree_layout(p, nbytes)
         return m, list(range(p * m))
     if algorithm in NODE_ALGORITHMS:  # block b -> (local index)*q + node: a node-local segment is a run
+        assert dpn is not None   # why: _resolve refuses a node algorithm without devices_per_node
         q = p // dpn
         return 1, [(b % dpn) * q + b // dpn for b in range(p)]
     return 1, list(range(p))
@@ -207,6 +210,7 @@ def _build(kind: str, shape: tuple[int, ...], n: int, algorithm: str, itemsize: 
     chunk_bytes[np.asarray(layout, np.int64)] = np.asarray(piece_elems, np.int64) * itemsize
     prefix = np.zeros(len(layout) + 1, np.int64)
     np.cumsum(chunk_bytes, out=prefix[1:])
+    raw: Iterable[ArrayStep]
     if algorithm == "tree":
         raw = alg_gpu.tree_all_reduce(p, m, alg_gpu.tree_segments(p, n * itemsize))
     else:
@@ -245,7 +249,8 @@ def _table(raw: Iterable[ArrayStep], prefix: np.ndarray) -> TransferTable:
     if len(sizes) == 1:
         z = np.zeros(0, np.int32)
         return TransferTable(ptr, z, z, z, z, z.astype(bool), prefix=prefix)
-    return TransferTable(ptr, *(np.concatenate(c) for c in cols), prefix=prefix)
+    src_a, dst_a, chunk_a, count_a, red_a = (np.concatenate(c) for c in cols)
+    return TransferTable(ptr, src_a, dst_a, chunk_a, count_a, red_a, prefix=prefix)
 
 
 def _flat(algorithm: str, p: int, gather: bool) -> Iterable[ArrayStep]:
@@ -324,11 +329,16 @@ def _torus_all_to_all(shape: tuple[int, ...]) -> list[RawStep]:
         for base in coords:
             if base[t] == 0:
                 members = [index[base[:t] + (v,) + base[t + 1:]] for v in range(shape[t])]
-                lines.append(pairwise_exchange(members, lambda k, j, ms=members, bm=by_member: bm.get(ms[k], {}).get(j, ())))
+                lines.append(pairwise_exchange(members, functools.partial(_held_by, members, by_member)))
         steps += merge(*lines)
         for c, h in enumerate(holder):
             holder[c] = index[coords[h][:t] + (coords[c % p][t],) + coords[h][t + 1:]]
     return steps
+
+
+def _held_by(members: Sequence[int], by_member: dict[int, dict[int, list[Run]]], k: int, j: int) -> Sequence[Run]:
+    """What member ``k`` of ``members`` sends member ``j`` in one pairwise line."""
+    return by_member.get(members[k], {}).get(j, ())
 
 
 def _raw_collective_permute(algorithm, shape, dpn, perm) -> Iterable[ArrayStep]:

@@ -51,7 +51,7 @@ class MpiCollectives:
     """The collective executor on ``comm`` (see the module docstring). Keeps the plans of the last
     ``max_plans`` sets of jobs; :meth:`free` drops everything it keeps."""
 
-    def __init__(self, comm: MPI.Comm, max_plans: int = 32) -> None:
+    def __init__(self, comm: MPI.Intracomm, max_plans: int = 32) -> None:
         self.comm = comm
         self.tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         self.max_plans = max_plans

@@ -35,7 +35,7 @@ class SubcommCache:
     """Sub-communicators of ``comm`` per set of ranks, created once (``Create_group``,
     collective over those ranks only) and ordered by ascending rank; :meth:`free` frees them."""
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Intracomm):
         self.comm = comm
         self._subs: dict[tuple[int, ...], MPI.Intracomm] = {}
 

@@ -21,6 +21,7 @@ an early receive can only match its own step's message.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -103,7 +104,7 @@ class StepRunner:
                             nxt[k] = _post_recv(comm, sn.recvs[k], np_recv, k, nrbuf, wbytes, ntag)
                 if reqs:
                     st = self.statuses[i]
-                    wait(reqs, st, timeout_s, lambda sp=sp: what(sp))
+                    wait(reqs, st, timeout_s, functools.partial(what, sp))
                     for (peer, nb, _, _), s in zip(sp.recvs, st):
                         if s.Get_count(_BYTE) != nb:
                             raise CollectiveError(f"{what(sp)}: rank {peer} sent {s.Get_count(_BYTE)} bytes, "

@@ -73,8 +73,8 @@ def bidir_ring_arrays(members, first, count, back_first, *, gather: bool) -> Ite
     back = ring_arrays(members, back_first, count, gather=gather, reverse=True)
     L = members.shape[0]
     for f, b in zip(fwd, back):
-        yield tuple(np.stack([x.reshape(L, -1), y.reshape(L, -1)], axis=1).ravel() for x, y in zip(f[:4], b[:4])) \
-            + (f[4],)
+        s, d, c, n = (np.stack([x.reshape(L, -1), y.reshape(L, -1)], axis=1).ravel() for x, y in zip(f[:4], b[:4]))
+        yield s, d, c, n, f[4]
 
 
 def recursive_arrays(p: int, *, gather: bool) -> list[ArrayStep]:
@@ -90,7 +90,7 @@ def recursive_arrays(p: int, *, gather: bool) -> list[ArrayStep]:
     while (m < p) if gather else m:
         masks.append(m)
         m = m * 2 if gather else m // 2
-    out = []
+    out: list[ArrayStep] = []
     for m in masks:
         lo = (k & ~(m - 1)) if gather else ((k ^ m) & ~(m - 1))
         out.append((k, k ^ m, lo, np.full(p, m, np.int64), not gather))
@@ -106,7 +106,7 @@ def pairwise_arrays(p: int) -> list[ArrayStep]:
 
 def list_to_arrays(steps: list[RawStep]) -> list[ArrayStep]:
     """Raw list steps as array steps."""
-    out = []
+    out: list[ArrayStep] = []
     for st in steps:
         a = np.array([t[:4] for t in st], np.int64).reshape(-1, 4)
         out.append((a[:, 0], a[:, 1], a[:, 2], a[:, 3], np.array([bool(t[4]) for t in st], bool)))

@@ -86,7 +86,7 @@ class CollectiveSchedule:
     group_shape: tuple[int, ...]
     nbytes: int
     num_chunks: int
-    steps: tuple[Step, ...]
+    steps: tuple[Step, ...] | TableSteps     # TableSteps: the same steps, made on demand from a table
     chunk_bytes: tuple[int, ...] = ()
     itemsize: int = 1
     permutation: tuple[tuple[int, int], ...] | None = None
@@ -336,11 +336,11 @@ def validate_schedule(sched: CollectiveSchedule) -> None:
         for c in sched.output_chunks(pos) or ():
             if c in empty:
                 continue
-            val = state[pos].get(c)
-            if val is None or (kind in REDUCE_KINDS and val != full):
+            got = state[pos].get(c)
+            if got is None or (kind in REDUCE_KINDS and got != full):
                 raise CollectiveError(
                     f"{sched.kind}[{sched.algorithm}] group={sched.group_shape}: member {pos} ends without "
-                    f"the complete chunk {c} (has contributions {val if val is None else bin(val)})")
+                    f"the complete chunk {c} (has contributions {got if got is None else bin(got)})")
 
 
 def check_permutation(permutation: Sequence[Sequence[int]] | None, p: int) -> tuple[tuple[int, int], ...]:

@@ -94,6 +94,7 @@ class TransferTable:
         """Bytes of every transfer (int64)."""
         if self._nbytes is not None:
             return self._nbytes
+        assert self._prefix is not None   # why: __init__ refuses a table with neither nbytes nor prefix
         end = self.chunk.astype(np.int64) + self.count
         return self._prefix[end] - self._prefix[self.chunk]
 
@@ -106,6 +107,7 @@ class TransferTable:
         if self._nbytes is not None:
             nb = self._nbytes[lo:hi].tolist()
         else:
+            assert self._prefix is not None   # why: __init__ refuses a table with neither nbytes nor prefix
             c = self.chunk[lo:hi].astype(np.int64)
             nb = (self._prefix[c + self.count[lo:hi]] - self._prefix[c]).tolist()
         return Step(tuple(map(Transfer, self.src[lo:hi].tolist(), self.dst[lo:hi].tolist(), nb,

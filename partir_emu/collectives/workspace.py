@@ -38,7 +38,8 @@ class Rows:
     def __init__(self, offs: np.ndarray, L: int):
         offs = np.asarray(offs, np.int64)
         self.L, self.n, self.o0 = int(L), len(offs), int(offs[0])
-        self.stride, self.offs, self._starts = self.L, None, None
+        self.stride, self.offs = self.L, None
+        self._starts: list[int] | None = None
         if self.n > 1:
             d = np.diff(offs)
             if d[0] >= self.L and (d == d[0]).all():
@@ -78,12 +79,12 @@ def move(dst_buf: np.ndarray, dst: Rows, src_buf: np.ndarray, src: Rows, fn: np.
                 fn(dv, src_buf[s:s + L], out=dv)
         return
     vals = src.read(src_buf)
-    dv = dst.view(dst_buf)
-    if dv is not None:
+    dview = dst.view(dst_buf)
+    if dview is not None:
         if fn is None:
-            dv[...] = vals
+            dview[...] = vals
         else:
-            fn(dv, vals, out=dv)
+            fn(dview, vals, out=dview)
     else:
         win = sliding_window_view(dst_buf, L, writeable=True)
         win[dst.offs] = vals if fn is None else fn(win[dst.offs], vals)
@@ -167,7 +168,9 @@ class Space:
         self.base = np.arange(len(self.hosted) + 1, dtype=np.int64) * self.T
         self.rel = self.ce[:-1]
         if sched.kind != "reduce_scatter" and sched.layout:  # every member ends with all chunks, in layout order
-            order = np.asarray([c for c in sched.output_chunks(0) if elems[c]], np.int64)
+            chunks = sched.output_chunks(0)
+            assert chunks is not None   # why: not a reduce-scatter, so member 0 ends with every chunk
+            order = np.asarray([c for c in chunks if elems[c]], np.int64)
             rel = np.zeros(nc, np.int64)
             rel[order] = np.cumsum(elems[order]) - elems[order]
             ids = np.flatnonzero(elems)  # an empty chunk sits where the next non-empty one does
@@ -253,8 +256,8 @@ class Space:
             out = work[o:o + n]  # the member's output is one range of work
             return out if view_ok else out.copy()
         out = np.empty(n, dtype)
-        for w, o in runs:
-            move(out, o, work, w)
+        for w, ow in runs:
+            move(out, ow, work, w)
         return out
 
 

@@ -85,10 +85,10 @@ def candidate_names(kind: str, group: GroupLayout, topology: Topology) -> list[s
       on a wrapped dim, ``ring`` on an open line).
     - GPU all_reduce inside one node: also NCCL's double binary ``tree`` (``2 log2 p`` steps against
       the ring's ``2(p-1)``: it wins below a few MiB). Across nodes the tree is available on request
-      but not a default candidate: its steps are uneven (some messages cross the spine, some not;
-      pipelined steps load links unevenly), so members run ahead of one another, and the lock-step
-      price (the sum of each step's slowest message) overstates it by 13-27 % against the DES
-      (measured on 8-64 H100); the even rail/hierarchical steps price exactly.
+      but not (yet) a default candidate: its steps are uneven (some messages cross the spine, some
+      not), so members run ahead of one another, and the price (never below the lock-step sum, the
+      sum of each step's slowest message: :mod:`.async_steps`) overstates it by 13-27 % against the
+      DES (measured on 8-64 H100); the even rail/hierarchical steps price exactly.
     - GPU group over several nodes with several GPUs in each: ``hierarchical`` and ``rail``. A flat
       ring is not offered there: it sends ``d`` times more bytes over each NIC than the
       hierarchical forms (and would be expensive to price at thousands of GPUs).

@@ -72,6 +72,7 @@ class PriceCache:
     def __init__(self, max_placements: int = 64) -> None:
         self.max_placements = max_placements
         self._by_placement: dict[tuple, dict[tuple, CollectiveCost]] = {}
+        self._schedules: dict[tuple, dict[tuple, tuple[AlgorithmChoice, CollectiveSchedule] | None]] = {}
         self._fabrics: dict[tuple, Fabric] = {}
         self._routers: dict[tuple, Router] = {}
 
@@ -100,8 +101,19 @@ class PriceCache:
             table = self._by_placement[key] = {}
         return table
 
+    def schedules(self, key: tuple) -> dict[tuple, tuple[AlgorithmChoice, CollectiveSchedule] | None]:
+        """The (mutable) table of chosen schedules on the placement with ``key``: choosing one builds and
+        prices every candidate, and the DES asks again for the schedule the analytical model priced."""
+        table = self._schedules.get(key)
+        if table is None:
+            if len(self._schedules) >= self.max_placements:
+                self._schedules.clear()
+            table = self._schedules[key] = {}
+        return table
+
     def clear(self) -> None:
         self._by_placement.clear()
+        self._schedules.clear()
         self._fabrics.clear()
         self._routers.clear()
 
@@ -123,6 +135,7 @@ class CommModel:
         if self.link_factors:
             key = (*key, ("faults", tuple(sorted(self.link_factors.items()))))
         self._cache = cache.for_placement(key)
+        self._built = cache.schedules(key)
         self.fabric = cache.fabric(key, placement, self.link_factors)
 
     @property
@@ -163,7 +176,14 @@ class CommModel:
     def schedule(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32",
                  perm: tuple | None = None) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
         """The algorithm choice and schedule this model prices for one collective (``None``: no traffic).
-        The DES replays exactly this schedule on every group."""
+        The DES replays exactly this schedule on every group (kept: it is not chosen twice)."""
+        key = (kind, axes, nbytes, dtype, self.requested(kind), perm)
+        if key not in self._built:
+            self._built[key] = self._choose(kind, axes, nbytes, dtype, perm)
+        return self._built[key]
+
+    def _choose(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str, perm: tuple | None
+                ) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
         group = self.placement.group(axes)
         if group.size == 1 or nbytes == 0:
             return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.collectives.schedule import CollectiveSchedule
+from partir_emu.hwmodels.async_steps import async_critical_path
 from partir_emu.hwmodels.links import Router
 from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.topology import Topology
@@ -41,6 +42,7 @@ class Messages:
     ptr: np.ndarray            # int64 [steps + 1]
     pair: np.ndarray           # int64
     nbytes: np.ndarray         # float64
+    shape: np.ndarray | None = None   # int64 [steps]: steps with one id have the same pairs (if known)
 
     @property
     def num_steps(self) -> int:
@@ -69,10 +71,15 @@ def schedule_messages(sched: CollectiveSchedule) -> Messages:
     return msgs
 
 
+_WHOLE_TABLE = 1 << 22       # transfers up to which the table is merged in one pass (else step by step)
+
+
 def _messages(sched: CollectiveSchedule) -> Messages:
     p = sched.p
     tab = sched.table()
     S = tab.num_steps
+    if len(tab) > _WHOLE_TABLE:
+        return _messages_by_step(sched)
     if not len(tab):
         return Messages(p, np.zeros(S + 1, np.int64), np.zeros(0, np.int64), np.zeros(0))
     key = (tab.step_of() * p + tab.src.astype(np.int64)) * p + tab.dst
@@ -87,6 +94,39 @@ def _messages(sched: CollectiveSchedule) -> Messages:
     return Messages(p, ptr, uniq % (p * p), nb)
 
 
+def _messages_by_step(sched: CollectiveSchedule) -> Messages:
+    """:func:`_messages` one step at a time, as ``des.plans.step_plans`` reads a large table: the merge of
+    each distinct step shape (its ``(src, dst)`` columns) is done once, bytes come from the chunk
+    sizes, and the output is filled in place (a 4096-member ring has 33 M transfers: whole-table
+    temporaries would be about 1 GB)."""
+    p = sched.p
+    tab = sched.table()
+    tptr = tab.ptr.tolist()
+    prefix = np.concatenate(([0], np.cumsum(np.asarray(sched.chunk_bytes, dtype=np.int64))))
+    shapes: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    per_step = []
+    for s in range(tab.num_steps):
+        src, dst = tab.src[tptr[s]:tptr[s + 1]], tab.dst[tptr[s]:tptr[s + 1]]
+        key = src.tobytes() + dst.tobytes()
+        hit = shapes.get(key)
+        if hit is None:
+            uniq, inv = np.unique(src.astype(np.int64) * p + dst, return_inverse=True)
+            hit = shapes[key] = (uniq, inv.ravel())
+        per_step.append(hit)
+    ids = {id(u): i for i, (u, _) in enumerate(shapes.values())}
+    shape = np.array([ids[id(u)] for u, _ in per_step], dtype=np.int64)
+    ptr = np.concatenate(([0], np.cumsum([len(u) for u, _ in per_step]))).astype(np.int64)
+    pair = np.empty(int(ptr[-1]), np.int64)
+    nbytes = np.empty(int(ptr[-1]))
+    for s, (uniq, inv) in enumerate(per_step):
+        lo, hi = tptr[s], tptr[s + 1]
+        c = tab.chunk[lo:hi].astype(np.int64)
+        b = (prefix[c + tab.count[lo:hi]] - prefix[c]).astype(np.float64)
+        pair[ptr[s]:ptr[s + 1]] = uniq
+        nbytes[ptr[s]:ptr[s + 1]] = np.bincount(inv, weights=b, minlength=len(uniq))
+    return Messages(p, ptr, pair, nbytes, shape)
+
+
 @dataclass(frozen=True)
 class Pattern:
     """The flows of one step pattern run by every group: flow ``g * K + k`` is message ``k`` of group ``g``."""
@@ -95,6 +135,17 @@ class Pattern:
     lat: np.ndarray            # float64 [U, K]: per distinct group row, each message's route latency
     inv_bw: np.ndarray         # float64 [U, K]: seconds per byte at the message's shared bottleneck (0: no link)
     hops: int                  # longest route
+
+
+def _uneven(pat: Pattern) -> bool:
+    """Whether the network treats the messages of a step differently (routes of different latency or
+    bottleneck share: faults, detours, mixed hops), so that members drift apart. Bytes that differ
+    by an uneven split (one element per chunk) do not count: they leave the lock-step sum exact."""
+    moves = pat.inv_bw > 0
+    if not moves.any():
+        return False
+    lat, inv = pat.lat[moves], pat.inv_bw[moves]
+    return bool(lat.max() - lat.min() > 1e-9 * lat.max() or inv.max() - inv.min() > 1e-9 * inv.max())
 
 
 class Fabric:
@@ -178,11 +229,15 @@ class Fabric:
         steps = np.flatnonzero(counts)
         if not steps.size:
             return
-        # a cheap signature per step; steps that share it are checked to be identical below
-        w = (pair * 0x9E3779B1 + 0x7F4A7C15) % 2_147_483_647
-        sig = np.stack((counts[steps], np.add.reduceat(pair, ptr[steps]), np.add.reduceat(w, ptr[steps])), axis=1)
-        _, which = np.unique(sig, axis=0, return_inverse=True)
-        which = which.ravel()
+        known = msgs.shape is not None
+        if known:                                              # built step by step: shapes are known
+            which = np.unique(msgs.shape[steps], return_inverse=True)[1].ravel()
+        else:
+            # a cheap signature per step; steps that share it are checked to be identical below
+            w = (pair * 0x9E3779B1 + 0x7F4A7C15) % 2_147_483_647
+            sig = np.stack((counts[steps], np.add.reduceat(pair, ptr[steps]), np.add.reduceat(w, ptr[steps])), axis=1)
+            _, which = np.unique(sig, axis=0, return_inverse=True)
+            which = which.ravel()
         for u in range(int(which.max()) + 1):
             ss = steps[which == u]
             K = int(counts[ss[0]])
@@ -191,6 +246,9 @@ class Fabric:
             per = max(1, _BLOCK // K)
             for lo in range(0, len(ss), per):
                 ix = ptr[ss[lo:lo + per]][:, None] + np.arange(K)[None, :]
+                if known:
+                    yield pat, msgs.nbytes[ix]
+                    continue
                 same = (pair[ix] == first[None, :]).all(axis=1)
                 yield pat, msgs.nbytes[ix[same]]
                 for i in np.flatnonzero(~same).tolist():       # a signature collision (rare): on its own
@@ -198,10 +256,18 @@ class Fabric:
 
     # -- prices ------------------------------------------------------------------------------------
     def price(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[float, int, int]:
-        """``(seconds, messages of one group, longest route)`` of ``sched`` run by the groups ``chips``."""
+        """``(seconds, messages of one group, longest route)`` of ``sched`` run by the groups ``chips``.
+
+        The lock-step sum (each step as long as its slowest message) is exact when the network treats
+        every message of a step alike. When it does not (a degraded or failed link, a detour, routes of
+        different lengths), members drift apart, and the price is the larger of the lock-step sum and their
+        asynchronous critical path (:func:`.async_steps.async_critical_path`): a member
+        that finished a step early already sends its next step's message, which shares the slow
+        member's link with the message that member still waits for."""
         msgs = schedule_messages(sched)
         total = 0.0
         hops = 0
+        uneven = False
         for pat, nb in self._runs(msgs, token, chips):
             hops = max(hops, pat.hops)
             U, K = pat.lat.shape
@@ -210,6 +276,11 @@ class Fabric:
                 b = nb[lo:lo + per]
                 t = (pat.lat[None, :, :] + b[:, None, :] * pat.inv_bw[None, :, :]).max(axis=(1, 2))
                 total += float(t.sum())
+            uneven = uneven or _uneven(pat)
+        if uneven:
+            # the lock-step sum stays a floor: where members running ahead would make the DES faster,
+            # the per-link shares here (bw / k on the bottleneck) are the pessimistic side of max-min
+            total = max(total, async_critical_path(self, msgs, token, chips))
         return total, len(msgs.pair), hops
 
     def link_bytes(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -351,14 +351,14 @@ def _part(item: str, axis: str, topo_names: tuple[str, ...], dims: tuple[int, ..
 def _parse_mapping(mapping: str | Mapping, mesh: Mesh, topo: Topology) -> dict[str, list[Part]]:
     names = topo.dim_names
     if isinstance(mapping, str):
-        items = []
+        items: list[tuple[str, list[str]]] = []
         for part in filter(None, (p.strip() for p in mapping.split(","))):
-            axis, eq, dims = part.partition("=")
+            axis, eq, dims_text = part.partition("=")
             if not eq:
                 raise PlacementError(f"placement item {part!r} in {mapping!r} is not AXIS=DIMS; write e.g. "
                                      f"\"model={names[0]},batch={''.join(names[1:]) or names[0]}\", "
                                      f"\"auto\" or \"default\"")
-            items.append((axis.strip(), _split_dims(dims, names)))
+            items.append((axis.strip(), _split_dims(dims_text, names)))
     else:
         items = [(a, _split_dims(d, names) if isinstance(d, str) else list(d)) for a, d in mapping.items()]
     out: dict[str, list[Part]] = {}

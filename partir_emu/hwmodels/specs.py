@@ -41,7 +41,7 @@ from partir_emu.hwmodels.efficiency import CompilerSpec, EfficiencySpec, parse_c
 try:
     import tomllib
 except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
 
 DATA_DIR = Path(__file__).parent / "data"
 ENV_VAR = "PARTIR_EMU_HW_PATH"

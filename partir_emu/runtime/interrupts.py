@@ -77,7 +77,7 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def install(handler: Callable[[int, Any], None]) -> dict[int, Any]:
+def install(handler: Callable[[int, Any], None] | signal.Handlers) -> dict[int, Any]:
     """Set ``handler`` for every stop signal (main thread only); the previous handlers."""
     if not _in_main_thread():
         return {}

@@ -61,7 +61,9 @@ def save_inputs(path: str | os.PathLike, names: Sequence[str], inputs: Sequence[
     """Global inputs for the ranks: one array per program input, keyed by its name."""
     if len(names) != len(inputs):
         raise ArtifactError(f"{len(inputs)} inputs for a program with {len(names)}: {list(names)[:5]}")
-    np.savez(path, **storable({n: np.asarray(x) for n, x in zip(names, inputs)}))
+    # why Any: numpy's stub types savez's **kwds as the allow_pickle flag; these are all arrays
+    arrays: dict[str, Any] = storable({n: np.asarray(x) for n, x in zip(names, inputs)})
+    np.savez(path, **arrays)
 
 
 def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarray]:
@@ -80,7 +82,8 @@ def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarra
 def write_job_result(job: dict[str, Any], outputs: Sequence[np.ndarray], stats: dict[str, Any]) -> None:
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / "outputs.npz", **storable({f"out_{j}": x for j, x in enumerate(outputs)}))
+    arrays: dict[str, Any] = storable({f"out_{j}": x for j, x in enumerate(outputs)})   # why Any: as in save_inputs
+    np.savez(out / "outputs.npz", **arrays)
     (out / "stats.json").write_text(json.dumps(stats))
 
 

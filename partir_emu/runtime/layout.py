@@ -115,7 +115,7 @@ def restore_result(kind: str, r: np.ndarray, x_shape: tuple[int, ...], mshape: t
         # member j received block j of every member, in group order: (p, s/p, *rest), split_dim in front
         t = np.moveaxis(r.reshape((p, mshape[0] // p) + mshape[1:]), 1, 1 + split_dim)
         t = np.moveaxis(t, 0, concat_dim)
-        shape = list(t.shape)
+        shape: list[int] = list(t.shape)
         shape[concat_dim:concat_dim + 2] = [shape[concat_dim] * shape[concat_dim + 1]]
         return t.reshape(shape)
     raise CollectiveError(f"unknown collective {kind!r}")

@@ -124,6 +124,7 @@ class MpiRun:
             raise
         if timed_out:
             self.stop(self.read_progress())
+            assert self.process.proc is not None   # why: wait() returned, so start() made the process
             rc = self.process.proc.returncode
         text = self.process.output()
         if rc != 0 and "APPLICATION TIMED OUT" in text:    # MPIEXEC_TIMEOUT fired

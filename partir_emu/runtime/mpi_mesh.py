@@ -115,7 +115,7 @@ def _representatives(sharding: Sharding, mesh: Mesh) -> list[int]:
 
 def _digest(block: np.ndarray) -> int:
     """A 64-bit digest of a block's bytes (CRC-32 and Adler-32): replicas must have equal ones."""
-    raw = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data     # its bytes, as a memoryview
     return zlib.crc32(raw) << 32 | zlib.adler32(raw)
 
 
@@ -249,6 +249,8 @@ class MpiMesh:
         wait_all(reqs, self.timeout_s, "the output gather to rank 0", bulk=True)
         if not root:
             return None, None
+        # why: the three buffers are allocated on the root, which this is
+        assert recv is not None and drecv is not None and precv is not None
         blocks: list[dict[int, np.ndarray]] = [{} for _ in names]
         off = 0
         for r in range(self.nranks):  # the order the ranks packed them in
@@ -278,6 +280,7 @@ class MpiMesh:
         wait_all([self.comm.Igather([n, MPI.INT64_T], [counts, MPI.INT64_T] if counts is not None else None, root=0)],
                  self.timeout_s, "the message-trace gather")
         if self.rank == 0:
+            assert counts is not None   # why: allocated on rank 0, which this is
             allrows = np.empty(int(counts.sum()), np.int64)
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
             recvspec = [allrows, (counts.tolist(), displs.tolist()), MPI.INT64_T]
@@ -288,8 +291,8 @@ class MpiMesh:
         self._trace_parts = []
         if self.rank != 0:
             return None
-        allrows = allrows.reshape(-1, 5)
-        return allrows[np.lexsort((allrows[:, 3], allrows[:, 2], allrows[:, 1], allrows[:, 0]))]
+        table = allrows.reshape(-1, 5)
+        return table[np.lexsort((table[:, 3], table[:, 2], table[:, 1], table[:, 0]))]
 
     def close(self) -> None:
         self.collectives.free()
@@ -310,14 +313,14 @@ class MpiMesh:
         index, top = pos.index, pos.top
         fault = self.fault.trigger(self.rank, top) if self.fault is not None else None
         if fault == "hang":         # stuck before reaching the collective (test hook)
-            self.fault.act(fault)
+            self._act_fault(fault)
         ctx = self.context
         ctx.index, ctx.eqn, ctx.seq, ctx.loops = index, eqn, self._seq, tuple(pos.loops)
         coll = self._coll_ids[self._seq] if self._coll_ids is not None else index
         self._seq += 1
         self._set_state("waiting for the other ranks")
         if fault in ("raise", "exit") or (fault == "kill" and self.algorithm == "native"):
-            self.fault.act(fault)
+            self._act_fault(fault)
         axes = tuple(eqn.params["axes"])
         x0 = operands[self.devices[0]]
         if self.check:
@@ -337,8 +340,8 @@ class MpiMesh:
                 local = {pos: flat[d][0] for pos, d in enumerate(g) if d in flat}
                 res = self.collectives.run_native(kind, g, self.rank_of, local, op, tag_base=self._next_tag(2),
                                                   timeout_s=self.timeout_s, permutation=perm)
-                for pos, r in res.items():
-                    results[g[pos]] = r
+                for slot, r in res.items():
+                    results[g[slot]] = r
         else:
             group_shape = tuple(self.mesh.axis_size(a) for a in axes)
             nbytes = x0.nbytes * (p if kind == "all_gather" else 1)
@@ -351,15 +354,19 @@ class MpiMesh:
             res_list = self.collectives.run_schedules(jobs, self.rank_of, op, self._next_tag(len(sched.steps) + 2),
                                                       trace, timeout_s=self.timeout_s)
             if fault == "kill":      # it sent nothing at that step: die now
-                self.fault.act("kill")
+                self._act_fault("kill")
             for g, res in zip(groups, res_list):
-                for pos, r in res.items():
-                    results[g[pos]] = r
+                for slot, r in res.items():
+                    results[g[slot]] = r
             if self.tracing and trace:
                 t = np.asarray(trace, np.int64).reshape(-1, 4)
                 self._trace_parts.append(np.concatenate([np.full((len(t), 1), coll, np.int64), t], axis=1))
         return {d: restore_result(kind, results[d], x.shape, flat[d][1], p, x.dtype, **params)
                 for d, x in operands.items()}
+
+    def _act_fault(self, fault: str) -> None:
+        assert self.fault is not None   # why: a fault comes only from self.fault.trigger
+        self.fault.act(fault)
 
     def _next_tag(self, width: int) -> int:
         t = self._tag
@@ -396,9 +403,9 @@ class MpiMesh:
         wait_all([self.comm.Iallgather([rec, MPI.INT64_T], [allrec, MPI.INT64_T])], self.timeout_s,
                  "the mismatch report")
         groups: dict[tuple[int, ...], list[int]] = {}
-        for r, row in enumerate(allrec.reshape(self.nranks, rec.size).tolist()):
-            groups.setdefault(tuple(row), []).append(r)
-        names = {v.num: v.name for v in map(np.dtype, (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
+        for r, rank_row in enumerate(allrec.reshape(self.nranks, rec.size).tolist()):
+            groups.setdefault(tuple(rank_row), []).append(r)
+        names: dict[int, str] = {v.num: v.name for v in map(np.dtype, (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
                                                          np.uint16, np.uint32, np.uint64, np.float16, np.float32,
                                                          np.float64, np.complex64, np.complex128))}
         parts = []

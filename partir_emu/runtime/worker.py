@@ -46,6 +46,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from mpi4py import MPI
@@ -248,7 +249,7 @@ class RankGuard:
     def __enter__(self) -> RankGuard:
         return self
 
-    def __exit__(self, et, exc, tb) -> bool:
+    def __exit__(self, et, exc, tb) -> Literal[False]:
         if exc is None:
             return False
         if isinstance(exc, SystemExit) and not exc.code:
@@ -334,9 +335,10 @@ def _gather_rank_stats(comm: MPI.Intracomm, ready_wall: float, timeout_s: float 
              timeout_s, "the stats gather")
     if not root:
         return {}
-    every = every.reshape(nranks, 4)
-    return {"rss_bytes": [int(x) for x in every[:, 2]], "start_wall": every[:, 0].tolist(),
-            "ready_wall": every[:, 1].tolist(), "jax_imported": [bool(x) for x in every[:, 3]]}
+    assert every is not None   # why: allocated above on the root, which this is
+    table = every.reshape(nranks, 4)
+    return {"rss_bytes": [int(x) for x in table[:, 2]], "start_wall": table[:, 0].tolist(),
+            "ready_wall": table[:, 1].tolist(), "jax_imported": [bool(x) for x in table[:, 3]]}
 
 
 # -- under a user's mpirun: a watched guard, a program broadcast from rank 0 ----------------------

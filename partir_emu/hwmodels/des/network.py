@@ -22,9 +22,11 @@ not flows. Rates are still solved over every flow (only when the set of batches
 is new) and each class's flows must get one rate, else that batch goes on flow by
 flow and its collective member by member (exact: until then they moved alike).
 Bytes per link are summed per class and spread over the links at the end. Flows
-due to finish within ``resolution_s`` (1 ns) of each other finish together: far
-below any latency, and without it messages that differ by one element (uneven
-splits) would each cost an event.
+due to finish within ``resolution_s`` (1 ns) of each other finish together, at the
+time the LAST of them is due (without it, messages that differ by one element —
+uneven splits — would each cost an event; finishing them at the earliest time ran
+members ahead of the closed form by up to 1 ns a step). A flow already due is never
+held back by one that starts at its completion instant.
 
 Why flows and not store-and-forward chunks (:mod:`.chunked`, ``network="chunk"``):
 a chunk model needs ``chunks × hops`` events per message and its uncontended
@@ -87,6 +89,8 @@ def max_min_rates(links: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 _CACHE_MAX = 1 << 15        # rate solutions kept (sets of batches in flight; a 4096-chip step meets ~25k)
+_EMPTY_F = np.zeros(0)
+_EMPTY_I = np.zeros(0, dtype=np.int64)
 _SAME_INSTANT = 1e-12       # relative: two wake-up times this close are one instant (far below the 1 ns resolution)
 
 
@@ -167,10 +171,15 @@ class FlowNetwork:
             self.flows += int(classes.ptr[-1]) if idx is None else int(classes.mult[idx].sum())
             lat = classes.latency_s
         self.batches += 1
-        self._rem = np.concatenate((self._rem, nbytes))
-        self._rate = np.concatenate((self._rate, np.zeros(n)))
-        self._lat = np.concatenate((self._lat, lat if idx is None else lat[idx]))
-        self._uid = np.concatenate((self._uid, np.arange(n) if idx is None else idx))
+        lat = lat if idx is None else lat[idx]
+        uid = np.arange(n) if idx is None else idx
+        if len(self._batches) == 1:     # (the network was idle: nothing to append to)
+            self._rem, self._rate, self._lat, self._uid = nbytes.copy(), np.zeros(n), lat, uid
+        else:
+            self._rem = np.concatenate((self._rem, nbytes))
+            self._rate = np.concatenate((self._rate, np.zeros(n)))
+            self._lat = np.concatenate((self._lat, lat))
+            self._uid = np.concatenate((self._uid, uid))
         # bytes per entry, spread over the links when they are read (link_bytes)
         skey = (route.id, -1 if classes is None else classes.id)
         sent = self._sent.get(skey)
@@ -257,13 +266,27 @@ class FlowNetwork:
         if self.recorder is not None:
             links, mult = self._flows()
             self.recorder.link_rates(self.env.now, links, np.repeat(self._rate, mult))
-        tnext = max(float((self._rem / self._rate).min()), 0.0)
+        tnext = self._next_completion()
         if self.eager:
             self._arm(tnext)
             return
         version = self._version
         ev = self.env.timeout(tnext)
         ev.callbacks.append(lambda _e: self._complete(version))
+
+    def _next_completion(self) -> float:
+        """Delay to the next completion: the latest due time among the flows due within
+        ``resolution_s`` of the earliest (they finish together, at the time the last of them is due:
+        a member's step ends with its last message anyway, so merging early would run it ahead);
+        0 when some flow is due now (those finish now, alone)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            left = self._rem / self._rate
+        m = float(left.min())
+        if m <= _SAME_INSTANT * self.env.now:
+            return 0.0                  # flows due now (a send came at their completion): never held back
+        if len(left) > 1:
+            m = float(left[left <= m + self.resolution_s].max())
+        return m
 
     def _arm(self, delay: float) -> None:
         """Wake up at the next completion, ``delay`` from now. A wake already pending for that instant
@@ -362,39 +385,43 @@ class FlowNetwork:
         if version != self._version:
             return                      # superseded by a later change
         self._advance()
-        # flows due within the time resolution finish together (a nanosecond is far below any
-        # latency; without it, messages that differ by one element would each be an event)
+        # the flows of the merge window (_next_completion) are due now, up to float rounding; flows
+        # started at this instant have no rate yet (inf)
         with np.errstate(divide="ignore", invalid="ignore"):
-            left = self._rem / self._rate          # flows started at this instant have no rate yet: inf
-        done = left <= self.resolution_s + max(0.0, float(left.min()))
+            left = self._rem / self._rate
+        done = left <= _SAME_INSTANT * self.env.now
+        batches = self._batches
+        starts, at = [], 0
+        for b in batches:
+            starts.append(at)
+            at += b.n
+        ks = [int(done.sum())] if len(batches) == 1 else np.add.reduceat(done, starts).tolist()
+        everyone = sum(ks) == len(done)
         finished = []
-        alive = []
-        bkeep = np.ones(len(self._batches), dtype=bool)
-        at = 0
-        for j, b in enumerate(self._batches):
-            lo, hi = at, at + b.n
-            at = hi
-            sub = done[lo:hi]
-            k = int(sub.sum()) if b.n > 1 else int(sub[0])
+        alive, stats = [], []
+        for b, lo, k, row in zip(batches, starts, ks, self._bstats):
+            hi = lo + b.n
             if k == 0:
                 alive.append(b)
-                continue
-            if k == b.n:
+                stats.append(row)
+            elif k == b.n:
                 finished.append((b.on_delivered, None if b.key[2] is None else self._uid[lo:hi], self._lat[lo:hi]))
-                bkeep[j] = False
                 if b.owner is not None:
-                    b.owner.contention(*self._bstats[j])
-                continue
-            uid = self._uid[lo:hi]
-            finished.append((b.on_delivered, uid[sub], self._lat[lo:hi][sub]))
-            b.n -= k
-            b.key = (b.key[0], b.key[1], uid[~sub].tobytes())
-            alive.append(b)
-        keep = ~done
-        self._rem, self._rate = self._rem[keep], self._rate[keep]
-        self._lat, self._uid = self._lat[keep], self._uid[keep]
-        self._batches = alive
-        self._bstats = [row for row, k in zip(self._bstats, bkeep.tolist()) if k]
+                    b.owner.contention(*row)
+            else:
+                uid, sub = self._uid[lo:hi], done[lo:hi]
+                finished.append((b.on_delivered, uid[sub], self._lat[lo:hi][sub]))
+                b.n -= k
+                b.key = (b.key[0], b.key[1], uid[~sub].tobytes())
+                alive.append(b)
+                stats.append(row)
+        if everyone:                    # (lock step: every entry finishes at once)
+            self._rem, self._rate, self._lat, self._uid = _EMPTY_F, _EMPTY_F, _EMPTY_F, _EMPTY_I
+        else:
+            keep = ~done
+            self._rem, self._rate = self._rem[keep], self._rate[keep]
+            self._lat, self._uid = self._lat[keep], self._uid[keep]
+        self._batches, self._bstats = alive, stats
         for cb, ids, lat in finished:
             self._deliver(cb, ids, lat)
         self._dirty = True
@@ -404,9 +431,9 @@ class FlowNetwork:
             self._schedule_settle()
 
     def _deliver(self, cb: Delivered, ids: np.ndarray | None, lat: np.ndarray) -> None:
-        lo, hi = lat.min(), lat.max()
+        lo, hi = (float(lat[0]),) * 2 if len(lat) == 1 else (float(lat.min()), float(lat.max()))
         if lo == hi:
-            self._later(cb, ids, float(lo))
+            self._later(cb, ids, lo)
             return
         if ids is None:
             ids = np.arange(len(lat))

@@ -241,14 +241,15 @@ def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
         raise ArtifactError(f"the trace names device {int(rows[:, 2:4].max())}, but its mesh {mesh} has {n} devices")
     check = check_trace(head, rows)
     env = simpy.Environment()
-    router = Router(placement.topology, link_factors(placement.topology, options.degraded_links,
-                                                     options.failed_links))
+    factors = link_factors(placement.topology, options.degraded_links, options.failed_links)
+    router = Router(placement.topology, factors)
     network = FlowNetwork(env, router)
     sim = _Replay(env, network, options, n)
     chips = np.array([placement.chip_of(d) for d in range(n)], dtype=np.int64)
     groups = Groups(("replay",), np.arange(n, dtype=np.int64)[None, :], chips[None, :], np.arange(n, dtype=np.int64))
     colls = sorted(set(rows[:, 0].tolist())) if len(rows) else []
-    model = CommModel(placement, None if head["algorithm"] == "native" else head["algorithm"])
+    # the analytical figure is priced with the same faults the replay runs on
+    model = CommModel(placement, None if head["algorithm"] == "native" else head["algorithm"], link_factors=factors)
     ana = 0.0
     messages = 0
     for ci, coll in enumerate(colls):

@@ -129,11 +129,11 @@ class DesReport:
         if self.collectives:
             lines += ["", f"slowest collectives (of {len(self.collectives)}):",
                       f"{'eqn':>6} {'prim':<15}{'axes':<14}{'MB':>10}{'algorithm':>12}{'time':>12}  contention"]
-            for r in sorted(self.collectives, key=lambda r: -r.duration_s)[:top]:
-                why = {"": "-", "groups": f"{r.max_link_flows} flows of its groups on {r.worst_link}",
-                       "other": f"{r.max_link_flows} flows incl. other collectives on {r.worst_link}"}[r.contention]
-                lines.append(f"{r.index:>6} {r.prim:<15}{','.join(r.axes):<14}{r.nbytes / 1e6:>10.3f}"
-                             f"{r.algorithm:>12}{_t(r.duration_s):>12}  {why}")
+            for c in sorted(self.collectives, key=lambda c: -c.duration_s)[:top]:
+                why = {"": "-", "groups": f"{c.max_link_flows} flows of its groups on {c.worst_link}",
+                       "other": f"{c.max_link_flows} flows incl. other collectives on {c.worst_link}"}[c.contention]
+                lines.append(f"{c.index:>6} {c.prim:<15}{','.join(c.axes):<14}{c.nbytes / 1e6:>10.3f}"
+                             f"{c.algorithm:>12}{_t(c.duration_s):>12}  {why}")
         return "\n".join(lines)
 
     __str__ = table

@@ -56,6 +56,7 @@ class Recorder:
         if links is None or not len(links):
             util = np.zeros(len(self.links))
         else:
+            assert rates is not None   # why: the network passes rates whenever it passes links
             fl = links.ravel()
             ok = fl >= 0
             total = np.bincount(fl[ok], weights=np.repeat(rates, links.shape[1])[ok], minlength=len(self.cap))
