@@ -92,24 +92,23 @@ class PriceCache:
             fab = self._fabrics[key] = Fabric(topo, link_factors, placement, router)
         return fab
 
+    def _table(self, store: dict[tuple, dict], key: tuple) -> dict:
+        """``store[key]``, made empty when new; the store starts afresh past ``max_placements``."""
+        table = store.get(key)
+        if table is None:
+            if len(store) >= self.max_placements:
+                store.clear()
+            table = store[key] = {}
+        return table
+
     def for_placement(self, key: tuple) -> dict[tuple, CollectiveCost]:
         """The (mutable) table of prices on the placement with ``key``."""
-        table = self._by_placement.get(key)
-        if table is None:
-            if len(self._by_placement) >= self.max_placements:
-                self._by_placement.clear()
-            table = self._by_placement[key] = {}
-        return table
+        return self._table(self._by_placement, key)
 
     def schedules(self, key: tuple) -> dict[tuple, tuple[AlgorithmChoice, CollectiveSchedule] | None]:
         """The (mutable) table of chosen schedules on the placement with ``key``: choosing one builds and
         prices every candidate, and the DES asks again for the schedule the analytical model priced."""
-        table = self._schedules.get(key)
-        if table is None:
-            if len(self._schedules) >= self.max_placements:
-                self._schedules.clear()
-            table = self._schedules[key] = {}
-        return table
+        return self._table(self._schedules, key)
 
     def clear(self) -> None:
         self._by_placement.clear()

@@ -41,6 +41,20 @@ def reference(scenario: str, overrides: str | None = None) -> tuple[np.ndarray, 
     return tuple(Experiment(scenario, "bp", Mesh(batch=1), None, overrides).reference())
 
 
+def run_worker(worker: Path, ranks: int, k: int, placement: str, timeout_s: int, *extra: str) -> dict:
+    """``mpiexec -n ranks python worker --k k --placement placement`` with MPICH's own timeout below
+    ours; the JSON line rank 0 printed last (a failed launch fails the test with its output)."""
+    import json
+    import subprocess
+    env = dict(os.environ, MPIEXEC_TIMEOUT=str(timeout_s))
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(worker), "--k", str(k), "--placement", placement,
+           *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
 def shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
 

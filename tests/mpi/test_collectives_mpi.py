@@ -5,28 +5,13 @@ the JSON verdict rank 0 prints (see the worker's docstring for what it runs).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.mpi.conftest import MPIEXEC, run_worker
+
 WORKER = Path(__file__).with_name("_coll_worker.py")
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
-
-
-def _launch(ranks: int, k: int, placement: str, native: bool) -> dict:
-    env = dict(os.environ)
-    env["MPIEXEC_TIMEOUT"] = "90"
-    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), "--k", str(k), "--placement", placement]
-    if native:
-        cmd.append("--native")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
 
 
 @pytest.mark.mpi
@@ -41,7 +26,7 @@ def _launch(ranks: int, k: int, placement: str, native: bool) -> dict:
     (16, 1, "cyclic", True),
 ])
 def test_schedules_over_mpi(ranks, k, placement, native):
-    res = _launch(ranks, k, placement, native)
+    res = run_worker(WORKER, ranks, k, placement, 90, *(["--native"] if native else []))
     assert res["ranks"] == ranks and res["k"] == k and res["cases"] > 50
     assert res["num_failures"] == 0, res["failures"]
     got, expected = res["trace"]
