@@ -145,7 +145,7 @@ class _Steps:
             K = int(ptr[steps[0] + 1]) - lo
             pairs = msgs.pair[lo:lo + K]
             src, dst = chips[:, pairs // p], chips[:, pairs % p]          # [G, K]
-            routes = [router.route(a, b) for a, b in zip(src.ravel().tolist(), dst.ravel().tolist())]
+            routes = router.routes(src.ravel(), dst.ravel())
             self.lat[steps] = max((float(router.latency[list(r)].sum()) for r in routes[:K]), default=0.0)
             links = np.fromiter((lk for r in routes for lk in r), dtype=np.int64)
             msg = np.repeat(np.arange(len(routes)) % K, [len(r) for r in routes])
@@ -163,10 +163,10 @@ class _Steps:
         L = router.num_links
         self.bytes = [np.zeros(L) for _ in range(self.num_phases)]
         self.flows = [np.zeros(L) for _ in range(self.num_phases)]
-        for steps, K, msg, ul, starts, count in built:
+        for step_ix, K, msg, ul, starts, count in built:
             per = max(1, _BLOCK // max(1, len(msg)))
-            for b0 in range(0, len(steps), per):
-                ss = steps[b0:b0 + per]
+            for b0 in range(0, len(step_ix), per):
+                ss = step_ix[b0:b0 + per]
                 B = msgs.nbytes[ptr[ss][:, None] + np.arange(K)[None, :]]        # [S, K]
                 on_link = np.add.reduceat(B[:, msg], starts, axis=1)            # [S, links of the pattern]
                 self.bw[ss] = (on_link / bw[ul]).max(axis=1)

@@ -324,9 +324,9 @@ def _measure(program: Program, flops: np.ndarray, byts: np.ndarray, cls: Sequenc
             key = (g, v.id)
             prev = ext.get(key, 0.0)
             ext[key] = full if amount < 0 or prev >= full else min(full, prev + amount)
-    for o in program.outputs:
-        if type(o) is Var and prod_group.get(o.id, -1) >= 0:
-            written[o.id] = (prod_group[o.id], buffer_bytes(o.shape, o.dtype))
+    for out in program.outputs:                  # a Var or a Literal (never written by a group)
+        if type(out) is Var and prod_group.get(out.id, -1) >= 0:
+            written[out.id] = (prod_group[out.id], buffer_bytes(out.shape, out.dtype))
     gbytes = np.zeros(G)
     for (g, _), b in ext.items():
         if not opaque[g]:
@@ -395,6 +395,7 @@ def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
     """Seconds of every group on one chip of ``spec`` (vectorised)."""
     eff = spec.efficiency
     G = plan.num_groups
+    mm: np.ndarray                 # float64 per group (numpy's stubs type a weighted bincount as ints)
     if len(plan.dot_flops):
         d = plan.dot_dims
         e = matmul_efficiency(eff, d[:, 0], d[:, 1], d[:, 2], d[:, 3])

@@ -4,7 +4,9 @@
 :func:`link_factors` turns ``--degrade-link``/``--fail-link`` options into per-link bandwidth factors
 (0 = failed); a :class:`Router` answers "which directed links does a message from chip ``a`` to chip
 ``b`` cross" exactly as :meth:`~.topology.Topology.route` does (dimension-order on a torus, NVSwitch /
-NIC + fabric on GPUs) unless that route crosses a *failed* link; then it takes a shortest detour over
+NIC + fabric on GPUs: the topology makes every healthy route, and :meth:`Router.route_matrix` takes a
+batch of torus routes from :meth:`~.topology.Topology.route_matrix`, of which ``Topology.route`` is one
+row) unless that route crosses a *failed* link; then it takes a shortest detour over
 the working links (breadth-first search, ties broken by link id, so the detour is deterministic: on a
 torus ring it is the other way round, or a sidestep through a neighbouring line). A *degraded* link
 keeps its route but runs at ``factor`` x its bandwidth.
@@ -26,7 +28,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from partir_emu.errors import PartirError
-from partir_emu.hwmodels.topology import Link, Node, Topology
+from partir_emu.hwmodels.topology import Link, Node, Topology, pad_routes
+
+_matrix = pad_routes      # the name tests/test_mutations.py pads its mutated routes with
 
 
 class FaultError(PartirError):
@@ -91,7 +95,6 @@ class Router:
         self.rerouted: dict[tuple[int, int], tuple[int, ...]] = {}
         self._routes: dict[tuple[int, int], tuple[int, ...]] = {}
         self._adj: dict[Node, list[Link]] | None = None
-        self._torus: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # coords, step link, next chip
 
     @property
     def num_links(self) -> int:
@@ -109,71 +112,38 @@ class Router:
 
     def route_matrix(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The routes of flows ``src[f] -> dst[f]`` (chips) as an ``[F, hops]`` link-id matrix, ``-1``
-        padded: the routes :meth:`route` gives, computed with array operations on a torus (dimension
-        order, the shorter way round a wrapped dim, ties the + way), one by one elsewhere and for
-        the flows a failed link reroutes."""
+        padded: the routes :meth:`route` gives. On a torus the topology's array routes
+        (:meth:`.topology.Topology.route_matrix`, of which :meth:`route` is one row), with the flows a
+        failed link reroutes replaced one by one; elsewhere one by one."""
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
         if self.topology.kind != "torus":
-            return _matrix([self.route(s, d) for s, d in zip(src.tolist(), dst.tolist())])
+            return pad_routes([self.route(s, d) for s, d in zip(src.tolist(), dst.tolist())])
         out = self._torus_matrix(src, dst)
         if self.failed:
             bad = np.flatnonzero(np.isin(out, np.fromiter(self.failed, np.int64)).any(axis=1))
             if bad.size:
-                fix = _matrix([self.route(s, d) for s, d in zip(src[bad].tolist(), dst[bad].tolist())])
+                fix = pad_routes([self.route(s, d) for s, d in zip(src[bad].tolist(), dst[bad].tolist())])
                 if fix.shape[1] > out.shape[1]:
                     out = np.concatenate((out, np.full((len(out), fix.shape[1] - out.shape[1]), -1, np.int64)), 1)
                 out[bad] = -1
                 out[bad, :fix.shape[1]] = fix
         return out
 
-    def _torus_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per chip: its coordinates, and per (dim, + / -) the link to its neighbour and that neighbour
-        (-1 where an open dim ends)."""
-        if self._torus is None:
-            topo = self.topology
-            n, D = topo.num_chips, len(topo.dims)
-            coords = np.array([topo.coords(c) for c in range(n)], dtype=np.int64).reshape(n, D)
-            step = np.full((n, D, 2), -1, dtype=np.int64)
-            nxt = np.full((n, D, 2), -1, dtype=np.int64)
-            for c in range(n):
-                cc = coords[c].tolist()
-                for d, s in enumerate(topo.dims):
-                    for k, inc in enumerate((1, -1)):
-                        m = cc[d] + inc
-                        if not 0 <= m < s:
-                            if not topo.wrap[d]:
-                                continue
-                            m %= s
-                        if m == cc[d]:
-                            continue
-                        other = topo.chip_at(tuple(cc[:d] + [m] + cc[d + 1:]))
-                        step[c, d, k] = topo.link(c, other).id
-                        nxt[c, d, k] = other
-            self._torus = (coords, step, nxt)
-        return self._torus
+    def routes(self, src: np.ndarray, dst: np.ndarray) -> list[tuple[int, ...]]:
+        """:meth:`route` of every pair ``src[f] -> dst[f]``, from one :meth:`route_matrix` (many pairs at
+        once cost about what a few cost one by one)."""
+        m = self.route_matrix(src, dst)
+        return [tuple(r[:h]) for r, h in zip(m.tolist(), (m >= 0).sum(axis=1).tolist())]
 
     def _torus_matrix(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        topo = self.topology
-        coords, step, nxt = self._torus_tables()
-        dims = np.array(topo.dims, dtype=np.int64)
-        wrap = np.array(topo.wrap, dtype=bool)
-        delta = coords[dst] - coords[src]                                  # [F, D]
-        around = np.mod(delta, dims)
-        around = np.where(around > dims - around, around - dims, around)  # shorter way; a tie goes +
-        delta = np.where(wrap[None, :], around, delta)
-        n = np.abs(delta)
-        out = np.full((len(src), max(int(n.sum(axis=1).max(initial=0)), 1)), -1, dtype=np.int64)
-        cur = src.copy()
-        pos = np.zeros(len(src), dtype=np.int64)
-        for d in range(len(topo.dims)):
-            way = (delta[:, d] < 0).astype(np.int64)                       # 0: + link, 1: - link
-            for k in range(int(n[:, d].max(initial=0))):
-                f = np.flatnonzero(n[:, d] > k)
-                out[f, pos[f]] = step[cur[f], d, way[f]]
-                cur[f] = nxt[cur[f], d, way[f]]
-                pos[f] += 1
-        return out
+        """The healthy torus routes: :meth:`Topology.route_matrix <.topology.Topology.route_matrix>`, the one
+        implementation (a separate method so that a test can give one router wrong routes)."""
+        return self.topology.route_matrix(src, dst)
+
+    def _torus_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The torus's neighbour tables (:meth:`.topology.Topology.torus_tables`)."""
+        return self.topology.torus_tables()
 
     def _detour(self, src: int, dst: int) -> tuple[int, ...]:
         if self._adj is None:
@@ -210,18 +180,6 @@ class Router:
             lk = self.topology.links[lid]
             out.append(f"{lk} ({'failed' if f == 0 else f'x{f:g} bandwidth'})")
         return out
-
-
-def _matrix(routes: list[tuple[int, ...]]) -> np.ndarray:
-    """Routes as a ``-1`` padded ``[F, hops]`` matrix."""
-    out = np.full((len(routes), max(max(map(len, routes), default=0), 1)), -1, dtype=np.int64)
-    by_len: dict[int, list[int]] = {}
-    for f, r in enumerate(routes):
-        by_len.setdefault(len(r), []).append(f)
-    for h, fs in by_len.items():
-        if h:
-            out[fs, :h] = np.array([routes[f] for f in fs], dtype=np.int64).reshape(len(fs), h)
-    return out
 
 
 def link_factors(topology: Topology, degraded: Mapping[str, float] | Iterable[tuple[str, float]] = (),

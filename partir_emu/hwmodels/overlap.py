@@ -183,7 +183,7 @@ def overlap_memory(plan: OverlapPlan, program: Program, profile: MemoryProfile, 
 
 
 def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...] | None = None,
-               barriers: Sequence[int] = ()) -> OverlapPlan:
+               barriers: Sequence[int] | np.ndarray = ()) -> OverlapPlan:
     """The :class:`OverlapPlan` of ``program`` (``is_comm``: per equation, a communicating collective;
     ``barriers``: the loop equations, see the module docstring)."""
     eqns = program.eqns
@@ -214,8 +214,8 @@ def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...
                 else:
                     ready[c] = max(ready[c], j + 1)
             if e.prim == "all_gather" and not prods[c] and ready[c] == 0:
-                v = e.inputs[0]
-                name = roots[0] if roots else names.get(v.id, "") if type(v) is Var else ""
+                src = e.inputs[0]        # a Var, or a Literal (no input name)
+                name = roots[0] if roots else names.get(src.id, "") if type(src) is Var else ""
                 prefetchable[c] = name
                 ready[c] = 0
             continue
@@ -255,7 +255,8 @@ def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...
     return plan
 
 
-def _barriers(comm_eqns: np.ndarray, barriers: Sequence[int], wait: list[int], ready: list[int]) -> tuple[int, ...]:
+def _barriers(comm_eqns: np.ndarray, barriers: Sequence[int] | np.ndarray, wait: list[int],
+              ready: list[int]) -> tuple[int, ...]:
     """Make each loop equation a barrier (module docstring): a collective before it is waited for at
     it at the latest; one after it is ready one past it at the earliest (its floor, returned; () when
     there is no loop). ``wait`` and ``ready`` are updated in place."""

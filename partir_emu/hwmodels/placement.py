@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import MeshError, PlacementError
-from partir_emu.hwmodels.specs import HardwareSpec
+from partir_emu.hwmodels.specs import HardwareSpec, TorusSpec
 from partir_emu.hwmodels.topology import Topology, topology_for
 
 
@@ -264,7 +264,7 @@ def place(mesh: Mesh, spec: HardwareSpec, mapping: str | Mapping | None = None,
     (each physical dim gets the size of the mesh axis placed on it, when that is unambiguous).
     Builds afresh each time; :meth:`~partir_emu.hwmodels.analytical.Analyzer.placement` keeps them."""
     dims = tuple(slice_dims) if slice_dims is not None else None
-    if dims is None and mapping is not None and spec.kind == "tpu":
+    if dims is None and mapping is not None and isinstance(spec.network, TorusSpec):   # a TPU spec
         dims = _dims_from_mapping(mapping, mesh, len(spec.network.pod_dims))
     return Placement(mesh, topology_for(spec, mesh.size, dims), mapping)
 

@@ -203,26 +203,28 @@ def _rows(pr: Priced) -> list[tuple]:
     """The fields of :func:`collective_rows` for a run starting at 0, ``at`` relative to the run."""
     pc = pr.analysis.costs
     times, sched = pr.times, pr.sched
-    cum = None if sched is not None else np.concatenate(([0.0], np.cumsum(times)[:-1]))
+    # per equation: when the compute stream starts it (without overlap: the sum of the ones before)
+    eqn_start = (sched.compute_finish - times if sched is not None
+                 else np.concatenate(([0.0], np.cumsum(times)[:-1])))
     inverse = pc.comm_inverse.tolist()
     out: list[tuple] = []
     loops = list(pc.loops)
     li = 0
-    for c, (i, prim, axes, nbytes, *_) in enumerate((*pc.comm, (len(times), "", (), 0))):
+    end: tuple[int, str, tuple[str, ...], int, str, tuple | None] = (len(times), "", (), 0, "", None)
+    for c, (i, prim, axes, nbytes, *_) in enumerate((*pc.comm, end)):   # ``end`` flushes the last loops
         while li < len(loops) and loops[li].index < i:
             lc = loops[li]
             li += 1
             body = pr.bodies[lc.index]
             inner = _rows(body)
-            begin = (float(sched.compute_finish[lc.index] - times[lc.index]) if sched is not None
-                     else float(cum[lc.index]))
+            begin = float(eqn_start[lc.index])
             for k, it in enumerate(lc.iterations):
                 t0, pre = begin + k * body.step_s, (lc.index, it)
                 out += [(*r[:7], t0 + r[7], pre + r[8]) for r in inner]
         if c == len(pc.comm):
             break
         cost = pr.costs[inverse[c]]
-        start = sched.start[c] if sched is not None else float(cum[i])
+        start = sched.start[c] if sched is not None else float(eqn_start[i])
         took = sched.finish[c] - start if sched is not None and sched.streams > 1 else cost.time_s
         out.append((i, prim, axes, nbytes, cost.group_size, cost.algorithm, took, start, ()))
     return out

@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 class CollectiveRow(NamedTuple):
     """One communicating collective of the program, priced (a NamedTuple: cheap to build in bulk)."""
 
-    index: int                # equation index
+    # equation index. The field shadows tuple.index (allowed at runtime, the row's public name);
+    # mypy reads it as overriding the method, hence the ignore
+    index: int  # type: ignore[assignment]
     prim: str
     axes: tuple[str, ...]
     nbytes: int               # full buffer per device (nccl-tests "size")

@@ -7,6 +7,10 @@ connection with its own bandwidth (bidirectional hardware = two links).
 
 ``Topology.route(src, dst)`` returns the links a transfer crosses, in order;
 its hop count is the length of that list and its latency the sum of the links'.
+``Topology.route_matrix(src, dst)`` gives the routes of a batch of transfers as a ``-1`` padded
+``[flows, hops]`` array of link ids. On a torus it is the one implementation of the route (array
+operations over per-chip neighbour tables); ``route`` is its row for one pair, and the faults router
+(:mod:`.links`), the contention pricing and the DES all take their torus routes from it.
 
 - **torus** (TPU ICI): dims ``x, y, z``; a link to each neighbour along each dim,
   and wraparound links where the slice has them. Routing is dimension-order
@@ -20,10 +24,11 @@ its hop count is the length of that list and its latency the sum of the links'.
 """
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels.specs import GpuClusterSpec, HardwareSpec, TorusSpec
@@ -54,9 +59,11 @@ class Topology:
 
     ``key`` (a small hashable identity; price caches use it) and the index of links by their ends
     are computed when it is built; a route when first asked for, then kept (``_routes``), since
-    it never changes. ``leaf_of``: GPU clusters, the InfiniBand leaf switch of each GPU's NIC."""
+    it never changes, and so are a torus's neighbour tables (``_walk``, :meth:`torus_tables`).
+    ``leaf_of``: GPU clusters, the InfiniBand leaf switch of each GPU's NIC."""
 
-    __slots__ = ("kind", "dims", "dim_names", "wrap", "links", "name", "leaf_of", "key", "_by_ends", "_routes")
+    __slots__ = ("kind", "dims", "dim_names", "wrap", "links", "name", "leaf_of", "key", "_by_ends", "_routes",
+                 "_walk")
 
     def __init__(self, kind: str, dims: tuple[int, ...], dim_names: tuple[str, ...], wrap: tuple[bool, ...],
                  links: tuple[Link, ...], name: str = "", leaf_of: Mapping[int, str] | None = None) -> None:
@@ -72,6 +79,7 @@ class Topology:
                            tuple(sorted(set(self.leaf_of.values()))))
         self._by_ends: dict[tuple[Node, Node], Link] = {(lk.src, lk.dst): lk for lk in links}
         self._routes: dict[tuple[int, int], tuple[Link, ...]] = {}
+        self._walk: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return (f"Topology(kind={self.kind!r}, dims={self.dims!r}, dim_names={self.dim_names!r}, wrap={self.wrap!r}, "
@@ -90,19 +98,15 @@ class Topology:
             raise PlacementError(f"torus wrap flags {wrap} do not match dims {dims}")
         wrap = tuple(w and s > 2 for w, s in zip(wrap, dims))   # on 2 chips the wrap link is the plain link
         names = TORUS_DIM_NAMES[:len(dims)]
+        coords, nxt = _neighbours(dims, wrap)
+        at = [tuple(c) for c in coords.tolist()]
         links: list[Link] = []
-        for chip, c in enumerate(itertools.product(*map(range, dims))):
-            for d, s in enumerate(dims):
-                for step, sign in ((1, "+"), (-1, "-")):
-                    n = c[d] + step
-                    if not 0 <= n < s:
-                        if not wrap[d]:
-                            continue
-                        n %= s
-                    nc = c[:d] + (n,) + c[d + 1:]
-                    other = _row_major(nc, dims)
-                    links.append(Link(len(links), chip, other, link_bw_bytes_per_s, link_latency_s, "ici",
-                                      f"ici {names[d]}{sign} {c}->{nc}"))
+        for chip, ends in enumerate(nxt.tolist()):
+            for d, pair in enumerate(ends):
+                for other, sign in zip(pair, "+-"):
+                    if other >= 0:
+                        links.append(Link(len(links), chip, other, link_bw_bytes_per_s, link_latency_s, "ici",
+                                          f"ici {names[d]}{sign} {at[chip]}->{at[other]}"))
         return cls("torus", dims, names, wrap, tuple(links), name)
 
     @classmethod
@@ -189,20 +193,67 @@ class Topology:
                                           else self._gpu_route(src, dst))
         return r
 
+    def route_matrix(self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The routes of transfers ``src[f] -> dst[f]`` (chips) as an ``[F, hops]`` array of link ids,
+        ``-1`` padded: row ``f`` is ``route(src[f], dst[f])``. On a torus computed with array operations
+        (dimension order, the shorter way round a wrapped dim, a tie the + way); elsewhere pair by pair."""
+        src = np.asarray(src, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst, dtype=np.int64).reshape(-1)
+        n = self.num_chips
+        if len(src) != len(dst):
+            raise PlacementError(f"route_matrix got {len(src)} sources but {len(dst)} destinations; give one each")
+        for ends in (src, dst):
+            bad = ends[(ends < 0) | (ends >= n)]
+            if bad.size:
+                raise PlacementError(f"chip {int(bad[0])} is not in {self.describe()}")
+        if self.kind != "torus":
+            return pad_routes([tuple(lk.id for lk in self.route_tuple(s, d)) for s, d in zip(src.tolist(), dst.tolist())])
+        return self._torus_walk(src, dst)
+
+    def _torus_walk(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The torus routes of :meth:`route_matrix` (chips known to be on the torus): how many hops which
+        way along each dim, then the walk over the neighbour tables, dim by dim."""
+        coords, step, nxt, dims, wrap = self._walk_tables()
+        delta = coords[dst] - coords[src]                                  # [F, D]
+        around = np.mod(delta, dims)
+        around = np.where(around > dims - around, around - dims, around)  # shorter way; a tie goes +
+        delta = np.where(wrap, around, delta)
+        hops = np.abs(delta)
+        out = np.full((len(src), max(int(hops.sum(axis=1).max(initial=0)), 1)), -1, dtype=np.int64)
+        cur = src.copy()
+        pos = np.zeros(len(src), dtype=np.int64)
+        for d in range(len(self.dims)):                                     # dimension order
+            way = (delta[:, d] < 0).astype(np.int64)                       # 0: + link, 1: - link
+            for k in range(int(hops[:, d].max(initial=0))):
+                f = np.flatnonzero(hops[:, d] > k)
+                out[f, pos[f]] = step[cur[f], d, way[f]]
+                cur[f] = nxt[cur[f], d, way[f]]
+                pos[f] += 1
+        return out
+
+    def torus_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A torus's per-chip tables the routes walk: ``coords[chip]`` (``[n, D]``), and per (dim, + / -
+        way) the link to the neighbour ``step[chip, d, k]`` and that neighbour ``nxt[chip, d, k]``
+        (``[n, D, 2]``, ``-1`` where an open line ends)."""
+        return self._walk_tables()[:3]
+
+    def _walk_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`torus_tables`, and the dim sizes and wraparound flags as arrays (``[D]``, ``[1, D]``)."""
+        if self._walk is None:
+            if self.kind != "torus":
+                raise PlacementError(f"{self.describe()} is not a torus; it has no torus neighbour tables")
+            coords, nxt = _neighbours(self.dims, self.wrap)
+            by_ends = self._by_ends
+            step = np.array([[[by_ends[(c, o)].id if o >= 0 else -1 for o in pair] for pair in ends]
+                             for c, ends in enumerate(nxt.tolist())], dtype=np.int64).reshape(nxt.shape)
+            self._walk = (coords, step, nxt, np.array(self.dims, dtype=np.int64),
+                          np.array(self.wrap, dtype=bool)[None, :])
+        return self._walk
+
     def _torus_route(self, src: int, dst: int) -> list[Link]:
-        cur = list(self.coords(src))
-        goal = self.coords(dst)
-        path = []
-        for d, s in enumerate(self.dims):
-            delta = (goal[d] - cur[d]) % s if self.wrap[d] else goal[d] - cur[d]
-            if self.wrap[d] and delta > s - delta:
-                delta -= s                  # shorter the other way round
-            step = 1 if delta > 0 else -1
-            for _ in range(abs(delta)):
-                here = self.chip_at(tuple(cur))
-                cur[d] = (cur[d] + step) % s
-                path.append(self._by_ends[(here, self.chip_at(tuple(cur)))])
-        return path
+        """One route: the row of :meth:`route_matrix` for the pair."""
+        row = self._torus_walk(np.array([src]), np.array([dst]))[0]
+        return [self.links[i] for i in row.tolist() if i >= 0]
 
     def _gpu_route(self, src: int, dst: int) -> list[Link]:
         if src == dst:
@@ -226,6 +277,39 @@ class Topology:
         return f"{self.name or 'gpu'} {nodes} node(s) x {per} GPUs (NVSwitch + InfiniBand)"
 
     __str__ = describe
+
+
+def _neighbours(dims: tuple[int, ...], wrap: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The chips of a torus ``dims`` (row-major): ``coords`` ``[n, D]``, and ``nxt[chip, d, k]`` its neighbour
+    along dim ``d`` the + (``k = 0``) or - (``k = 1``) way, ``-1`` where an open line ends (``wrap[d]`` is
+    False). A link runs from each chip to each of its neighbours."""
+    n, nd = math.prod(dims), len(dims)
+    chips = np.arange(n, dtype=np.int64)
+    coords = np.stack(np.unravel_index(chips, dims), axis=1).astype(np.int64).reshape(n, nd)
+    nxt = np.full((n, nd, 2), -1, dtype=np.int64)
+    stride = n
+    for d, s in enumerate(dims):
+        stride //= s
+        for k, inc in enumerate((1, -1)):
+            m = coords[:, d] + inc
+            ok = (m >= 0) & (m < s)
+            if wrap[d]:
+                m, ok = m % s, np.ones(n, dtype=bool)
+            ok &= m != coords[:, d]            # a dim of 1 chip has no neighbours
+            nxt[ok, d, k] = chips[ok] + (m[ok] - coords[ok, d]) * stride
+    return coords, nxt
+
+
+def pad_routes(routes: Sequence[Sequence[int]]) -> np.ndarray:
+    """Routes (link-id sequences) as a ``-1`` padded ``[F, hops]`` matrix (at least one column)."""
+    out = np.full((len(routes), max(max(map(len, routes), default=0), 1)), -1, dtype=np.int64)
+    by_len: dict[int, list[int]] = {}
+    for f, r in enumerate(routes):
+        by_len.setdefault(len(r), []).append(f)
+    for h, fs in by_len.items():
+        if h:
+            out[fs, :h] = np.array([routes[f] for f in fs], dtype=np.int64).reshape(len(fs), h)
+    return out
 
 
 def _row_major(coords: tuple[int, ...], dims: tuple[int, ...]) -> int:

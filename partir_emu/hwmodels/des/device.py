@@ -149,7 +149,10 @@ class WaitPoint:
             if rnd is None:
                 rnd = self.rounds[factor] = [[], now]
                 ev = devs.env.timeout(window)
-                ev.callbacks.append(lambda _e, f=factor, r=rnd: self._flush(f, r))
+
+                def close_round(_ev: simpy.Event, f: float = factor, r: list = rnd) -> None:
+                    self._flush(f, r)             # defaults bind this iteration's round
+                ev.callbacks.append(close_round)
             rnd[0].append(sel)
             rnd[1] = now
             if not mask.any():                  # everyone waiting here is released: go now

@@ -9,7 +9,7 @@ of a step that repeats (every step of a ring) is built once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,23 +88,18 @@ class Router(_links.Router):
         key = (src_chips.tobytes(), dst_chips.tobytes())
         pat = self._patterns.get(key)
         if pat is None:
-            pat = self._patterns[key] = self._build(src_chips.tolist(), dst_chips.tolist())
+            pat = self._patterns[key] = self._build(src_chips, dst_chips)
         return pat
 
-    def _build(self, srcs: Sequence[int], dsts: Sequence[int]) -> RoutePattern:
-        routes = [self.route(s, d) for s, d in zip(srcs, dsts)]
-        for (s, d), r in zip(zip(srcs, dsts), routes):
-            if not r:
-                raise LinkSpecError(f"a message from chip {s} to chip {d} crosses no link; the DES needs distinct chips")
-        hops = max((len(r) for r in routes), default=1)
-        links = np.full((len(routes), hops), -1, dtype=np.int32)
-        lat = np.zeros(len(routes))
-        lat_of = self.latency
-        by_len: dict[int, list[int]] = {}
-        for f, r in enumerate(routes):
-            by_len.setdefault(len(r), []).append(f)
-        for h, fs in by_len.items():
-            block = np.array([routes[f] for f in fs], dtype=np.int32).reshape(len(fs), h)
-            links[fs, :h] = block
-            lat[fs] = lat_of[block].sum(axis=1)
-        return RoutePattern(next(self._ids), links, lat)
+    def _build(self, src: np.ndarray, dst: np.ndarray) -> RoutePattern:
+        links = self.route_matrix(src, dst)                 # the shared routes (detours included)
+        hops = (links >= 0).sum(axis=1)
+        if len(hops) and not hops.all():
+            f = int(np.argmin(hops))
+            raise LinkSpecError(f"a message from chip {int(src[f])} to chip {int(dst[f])} crosses no link; "
+                                f"the DES needs distinct chips")
+        lat = np.zeros(len(links))
+        for h in np.unique(hops).tolist():       # route by route length: the latency sums add up in link order
+            fs = np.flatnonzero(hops == h)
+            lat[fs] = self.latency[links[fs, :h]].sum(axis=1)
+        return RoutePattern(next(self._ids), links.astype(np.int32), lat)

@@ -30,6 +30,7 @@ the analytical model's :class:`~..pricing.Priced` run (each body priced and sche
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +167,7 @@ class _Builder:
             nxt += 1
         return gid[:-1], loop_base
 
-    def _compute_runs(self, pr: Priced) -> tuple[list[int], object]:
+    def _compute_runs(self, pr: Priced) -> tuple[list[int], Callable[[], None]]:
         """A run of pending compute equations and the ``flush`` that appends it as one ``Compute``
         action (what dominates it names it in the trace)."""
         eqns, times, acts = pr.analysis.program.eqns, pr.times, self.actions
@@ -181,7 +182,7 @@ class _Builder:
                 run.clear()
         return run, flush
 
-    def _plain_actions(self, pr: Priced, gid: list[int], splice) -> list[int]:
+    def _plain_actions(self, pr: Priced, gid: list[int], splice: Callable[[int], None]) -> list[int]:
         """Without overlap: each collective ``Ready, Wait`` at its place. Returns the issue order (local)."""
         pc = pr.analysis.costs
         cpos = {e: c for c, e in enumerate(pc.comm_index.tolist())}
@@ -200,7 +201,7 @@ class _Builder:
         flush()
         return list(range(len(cpos)))
 
-    def _overlap_actions(self, pr: Priced, gid: list[int], splice) -> list[int]:
+    def _overlap_actions(self, pr: Priced, gid: list[int], splice: Callable[[int], None]) -> list[int]:
         """The overlap schedule: ``Ready`` where the compute stream reaches ``ready_pos``, ``Wait`` at
         the first real consumer (a loop: before it). Returns the schedule's issue order (local)."""
         plan, sched = pr.analysis.overlap_plan(), pr.sched
