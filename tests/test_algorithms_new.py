@@ -216,8 +216,11 @@ def test_candidates_and_requested_algorithm():
     assert candidate_names("all_reduce", tpu.group(("x", "y")), tpu.topology) == ["torus", "multidim"]
     assert candidate_names("all_reduce", tpu.group(("x",)), tpu.topology) == ["bidir_ring"]
     gpu = place(Mesh(data=4, model=8), h100)
-    assert candidate_names("all_reduce", gpu.group(("data", "model")), gpu.topology) == ["hierarchical", "rail"]
-    assert candidate_names("all_reduce", gpu.group(("data",)), gpu.topology) == ["ring"]   # tree: on request
+    assert candidate_names("all_reduce", gpu.group(("data", "model")), gpu.topology) == ["hierarchical", "rail", "tree"]
+    assert candidate_names("all_reduce", gpu.group(("data",)), gpu.topology) == ["ring", "tree"]
+    # across nodes the tree is offered up to 8 MiB (where its price is checked against the DES)
+    assert candidate_names("all_reduce", gpu.group(("data",)), gpu.topology, 16 * MIB) == ["ring"]
+    assert candidate_names("all_reduce", gpu.group(("model",)), gpu.topology, 16 * MIB) == ["ring", "tree"]
     assert candidate_names("all_gather", gpu.group(("data", "model")), gpu.topology) == ["hierarchical", "rail"]
     assert candidate_names("all_reduce", gpu.group(("model",)), gpu.topology) == ["ring", "tree"]
     assert candidate_names("all_to_all", gpu.group(("model",)), gpu.topology) == ["hierarchical"]
@@ -261,13 +264,16 @@ def test_des_equals_analytical_on_the_new_defaults(hardware, mesh, axes, n, want
 
 def test_tree_across_nodes_runs_ahead_in_the_des():
     """8 nodes, one GPU each, fat tree of 4 nodes per leaf: some tree edges cross the spine (4 hops),
-    some stay under a leaf (2). The lock-step price charges every step its slowest message; in the DES
-    each member moves on when its own messages are in, so the critical path is shorter. This is why the
-    tree is not a default candidate across nodes (see ``candidate_names``)."""
+    some stay under a leaf (2). Priced in lock step (every step its slowest message) it would be
+    5c + a + 4.5 N/B; members move on when their own messages are in, so both models give the critical
+    path 4a + 2c + 4.5 N/B (hand-derived in ``tests/test_tree_across_nodes.py``), and the default takes
+    the tree over the ring (2 log2 p against 2 (p - 1) steps)."""
     spec = load_spec("h100")
     mesh = Mesh(data=8, model=8)
     pl = place(mesh, spec)
     spmd = one_all_reduce(mesh, 4096, ("data",))
     ana, des = simulate(spmd, spec, pl, algorithms="tree"), simulate_des(spmd, spec, pl, algorithms="tree")
-    assert des.step_s < 0.9 * ana.step_s
-    assert simulate(spmd, spec, pl).collectives[0].algorithm == "ring"
+    a, c = 2 * spec.network.ib_latency_s, 4 * spec.network.ib_latency_s
+    lock_step = 5 * c + a + 4.5 * 4096 / spec.network.nic_bw_bytes_per_s
+    assert des.step_s == pytest.approx(ana.step_s, rel=1e-9) and ana.step_s < 0.8 * lock_step
+    assert simulate(spmd, spec, pl).collectives[0].algorithm == "tree"

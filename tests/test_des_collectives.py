@@ -177,9 +177,10 @@ def test_pairwise_all_to_all_members_run_ahead(topology):
         pat = router.pattern(np.array([choice.chips[m.src] for m in msgs]), np.array([choice.chips[m.dst] for m in msgs]))
         rates, _ = max_min_rates(pat.links, router.bw)
         lockstep += float((pat.latency_s + np.array([m.nbytes for m in msgs]) / rates).max())
-    # the analytical price adds what the early members' flows take (hwmodels/async_steps.py): never
-    # below the lock-step sum, and the DES is slower than lock step
-    assert ana.step_s >= lockstep * (1 - 1e-9)
+    # the analytical price is the members' critical path (hwmodels/async_steps.py): early flows take a
+    # share of the slow links, flows that start apart share less; within 1 % of the lock-step sum here
+    # (0.2 % below it on the torus), and the DES is slower than lock step
+    assert ana.step_s >= 0.99 * lockstep
     assert des.step_s > 1.005 * lockstep
 
 

@@ -62,7 +62,7 @@ def test_early_next_step_messages_on_a_slow_nic_are_priced(monkeypatch):
     ana = simulate(spmd, "h100", algorithms="rail", degraded_links=slow, analyzer=Analyzer())
     assert ana.step_s == pytest.approx(des.step_s, rel=1e-3)
     monkeypatch.setattr(async_steps, "_interference",
-                        lambda cur, r, f0, nxt, rho, bw: (np.zeros(len(bw)), np.zeros(len(nxt.x))))
+                        lambda cur, r, f0, nxt, rho, bw, memo: (np.zeros(len(bw)), np.zeros(len(nxt.x))))
     blind = simulate(spmd, "h100", algorithms="rail", degraded_links=slow, analyzer=Analyzer())
     assert blind.step_s < 0.85 * des.step_s
 

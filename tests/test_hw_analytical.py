@@ -216,11 +216,11 @@ def test_placement_changes_the_price():
     assert ring.collectives[0].algorithm == "ring" and bidir.collectives[0].algorithm == "bidir_ring"
     # on an open line each ring's closing message shares the other direction: no gain from bidir (the DES
     # shows it; the analytical ring equals it). The bidir ring's routes are uneven (the closing messages
-    # cross the line), so the analytical model takes the members' critical path, which over-counts the
-    # early messages' sharing here by 4.6 % (README, Limits)
+    # cross the line), so the analytical model takes the members' critical path, with messages that start
+    # apart sharing a link only while both send: 0.1 % above the DES here (it was 4.6 % with a fixed bw/k)
     des = {a: simulate_des(spmd, "tpu-v5e", slice_dims=(1, 8), algorithms=a).comm_s for a in ("ring", "bidir_ring")}
     assert des["ring"] == pytest.approx(des["bidir_ring"], rel=REL) == ring.comm_s
-    assert des["bidir_ring"] <= bidir.comm_s <= 1.05 * des["bidir_ring"]
+    assert des["bidir_ring"] <= bidir.comm_s <= 1.01 * des["bidir_ring"]
     torus = simulate(spmd, "tpu-v5e", slice_dims=(2, 4), algorithms="torus")
     assert torus.collectives[0].algorithm == "torus" and torus.comm_s < ring.comm_s
     best = simulate(spmd, "tpu-v5e", slice_dims=(2, 4))      # the cheapest candidate, multidim here

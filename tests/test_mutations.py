@@ -31,7 +31,6 @@ from tests import (
     test_collectives_schedule,
     test_des_collectives,
     test_hw_collectives,
-    test_hw_contention,
     test_hw_topology,
 )
 
@@ -248,18 +247,21 @@ def test_validate_catches_analytical_mutation(mutation, baseline, monkeypatch):
 
 # -- mutations of code both models share: caught by closed-form tests ----------------------------------------
 def _route_long_way(mp: pytest.MonkeyPatch) -> None:
-    """Torus routing forgets to take the shorter way round a wrapped dim (always the + way)."""
-    def torus_route(self, src, dst):
-        cur, goal, path = list(self.coords(src)), self.coords(dst), []
-        for d, s in enumerate(self.dims):
-            delta = (goal[d] - cur[d]) % s if self.wrap[d] else goal[d] - cur[d]
-            step = 1 if delta > 0 else -1
-            for _ in range(abs(delta)):
-                here = self.chip_at(tuple(cur))
-                cur[d] = (cur[d] + step) % s
-                path.append(self._by_ends[(here, self.chip_at(tuple(cur)))])
-        return path
-    mp.setattr(Topology, "_torus_route", torus_route)
+    """Torus routing (``Topology._torus_walk``, the one walk both models' routes come from) forgets to
+    take the shorter way round a wrapped dim (always the + way)."""
+    def torus_walk(self, src, dst):
+        coords, step, nxt, dims, wrap = self._walk_tables()
+        delta = coords[dst] - coords[src]
+        delta = np.where(wrap, np.mod(delta, dims), delta)
+        out = np.full((len(src), max(int(np.abs(delta).sum(axis=1).max(initial=0)), 1)), -1, dtype=np.int64)
+        for f in range(len(src)):
+            cur, pos = int(src[f]), 0
+            for d in range(len(self.dims)):
+                way = int(delta[f, d] < 0)
+                for _ in range(abs(int(delta[f, d]))):
+                    out[f, pos], cur, pos = step[cur, d, way], int(nxt[cur, d, way]), pos + 1
+        return out
+    mp.setattr(Topology, "_torus_walk", torus_walk)
 
 
 def _route_via_spine(mp: pytest.MonkeyPatch) -> None:
@@ -300,8 +302,8 @@ def _no_bidir(mp: pytest.MonkeyPatch) -> None:
     """The algorithm choice runs a one-way ring where the runtime runs the bidirectional ring."""
     orig = algorithm_choice.candidates
 
-    def candidates(kind, group, topology, algorithm=None):
-        out = orig(kind, group, topology, algorithm)
+    def candidates(kind, group, topology, algorithm=None, nbytes=None):
+        out = orig(kind, group, topology, algorithm, nbytes)
         return [dataclasses.replace(c, algorithm="ring") if c.algorithm == "bidir_ring" else c for c in out]
     mp.setattr(algorithm_choice, "candidates", candidates)
     mp.setattr(comm, "candidates", candidates)
@@ -319,7 +321,7 @@ def _degrade_twice(mp: pytest.MonkeyPatch) -> None:
 SHARED: tuple[tuple[str, Patch, tuple[Callable[[], None], ...]], ...] = (
     ("route-long-way-round", _route_long_way, (
         test_hw_topology.test_dimension_order_routing_takes_the_short_way_round,
-        lambda: test_hw_contention.test_route_matrix_is_route_for_every_pair((8,), (True,), ()))),
+        test_hw_collectives.test_2d_torus_all_reduce_dimension_wise)),
     ("route-via-spine", _route_via_spine, (test_hw_collectives.test_hierarchical_fat_tree_vs_rail_optimized,)),
     ("torus-bw-x0.8", _torus_bw, (
         lambda: test_hw_collectives.test_ring_all_reduce(8),

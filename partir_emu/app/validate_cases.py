@@ -142,6 +142,12 @@ _MECHANISMS = (
     _c("mlp", "bp+mp", "h100", "batch=4,model=16", overlap=True, comm_streams=2, hw_overrides=_RAIL,
        mechanism=_NIC),
     _c("mlp", "bp+mp", "h100", "batch=16,model=4", overlap=True, comm_streams=2, mechanism=_NIC),
+    # H100 double binary tree across nodes (batch over 8 / 16 nodes, one GPU each; small all-reduces):
+    # a parent's NIC serves two children and some edges cross the spine, so members run ahead of one
+    # another (their asynchronous critical path; in lock step these all-reduces would be priced 20-37 %
+    # above the DES, benchmarks/tree_gpu.py)
+    _c("mlp", "bp+mp", "h100", "batch=8,model=8", preset="small", overrides=None, mechanism=_NIC),
+    _c("mlp", "bp+mp", "h100", "batch=16,model=8", preset="small", overrides=None, mechanism=_NIC),
 )
 
 SUITES: dict[str, tuple[Case, ...]] = {"default": _CLOSED_FORM + _MECHANISMS}

@@ -15,7 +15,13 @@ from partir_emu.errors import CollectiveError
 from partir_emu.hwmodels.placement import GroupLayout
 from partir_emu.hwmodels.topology import Topology
 
-__all__ = ["AlgorithmChoice", "candidates", "candidate_names", "choose_algorithm"]
+__all__ = ["AlgorithmChoice", "TREE_ACROSS_NODES_MAX_BYTES", "candidates", "candidate_names", "choose_algorithm"]
+
+TREE_ACROSS_NODES_MAX_BYTES = 8 << 20
+"""Largest all-reduce the ``tree`` is a default candidate for across nodes: up to 4 pipeline segments
+per half, where its price is within 5 % of the DES (2-64 H100 nodes, ``benchmarks/tree_gpu.py``).
+With more segments the price falls below the DES (-6 % at 16 MiB, -10 % at 32 MiB on 8 nodes): the
+members' critical path misses part of how the steps of many segments overlap on the NICs."""
 
 
 @dataclass(frozen=True)
@@ -66,29 +72,31 @@ def choose_algorithm(kind: str, group: GroupLayout, topology: Topology, algorith
     return AlgorithmChoice(algorithm, shape, dpn, chips)
 
 
-def candidates(kind: str, group: GroupLayout, topology: Topology, algorithm: str | None = None
-               ) -> list[AlgorithmChoice]:
+def candidates(kind: str, group: GroupLayout, topology: Topology, algorithm: str | None = None,
+               nbytes: int | None = None) -> list[AlgorithmChoice]:
     """The algorithms the runtime could use for ``kind`` over ``group``; the caller
     (:meth:`~partir_emu.hwmodels.comm.CommModel.schedule`) prices each on the placement and keeps the
     cheapest (ties: the first, :func:`choose_algorithm`'s default). A requested ``algorithm`` is the
-    only candidate. The names are :func:`candidate_names`."""
+    only candidate. The names are :func:`candidate_names` (``nbytes``: the collective's size, if known)."""
     if algorithm is not None:
         return [choose_algorithm(kind, group, topology, algorithm)]
-    return [choose_algorithm(kind, group, topology, a) for a in candidate_names(kind, group, topology)]
+    return [choose_algorithm(kind, group, topology, a) for a in candidate_names(kind, group, topology, nbytes)]
 
 
-def candidate_names(kind: str, group: GroupLayout, topology: Topology) -> list[str]:
+def candidate_names(kind: str, group: GroupLayout, topology: Topology, nbytes: int | None = None) -> list[str]:
     """The algorithm names :func:`candidates` offers, the default first.
 
     - TPU torus, group over several physical dims: ``torus`` (one dim at a time) and ``multidim``
       (every dim at once, the data split across them). One dim: the default only (``bidir_ring``
       on a wrapped dim, ``ring`` on an open line).
-    - GPU all_reduce inside one node: also NCCL's double binary ``tree`` (``2 log2 p`` steps against
-      the ring's ``2(p-1)``: it wins below a few MiB). Across nodes the tree is available on request
-      but not (yet) a default candidate: its steps are uneven (some messages cross the spine, some
-      not), so members run ahead of one another, and the price (never below the lock-step sum, the
-      sum of each step's slowest message: :mod:`.async_steps`) overstates it by 13-27 % against the
-      DES (measured on 8-64 H100); the even rail/hierarchical steps price exactly.
+    - GPU all_reduce: also NCCL's double binary ``tree`` (``2 log2 p`` steps against the ring's
+      ``2(p-1)``), inside a node and across nodes. It wins at small sizes: inside a node below about
+      2.5 MiB; across nodes with one GPU each (a data-parallel axis) from 4 nodes on, below 256 KiB
+      at 8 nodes to a few MiB at 64 (``benchmarks/tree_gpu.py``). Its steps are uneven (some edges
+      cross the spine, a parent's NIC serves two children, pipelined segments merge into one
+      message), so members run ahead of one another; the price is their asynchronous critical path
+      (:mod:`.async_steps`), within 5 % of the DES on 2-64 nodes from 4 KiB to 8 MiB; across nodes
+      it is offered up to :data:`TREE_ACROSS_NODES_MAX_BYTES` (any size when ``nbytes`` is None).
     - GPU group over several nodes with several GPUs in each: ``hierarchical`` and ``rail``. A flat
       ring is not offered there: it sends ``d`` times more bytes over each NIC than the
       hierarchical forms (and would be expensive to price at thousands of GPUs).
@@ -101,7 +109,7 @@ def candidate_names(kind: str, group: GroupLayout, topology: Topology) -> list[s
     if topology.kind == "gpu":
         if first == "hierarchical":
             names.append("rail")
-        if kind == "all_reduce" and group.nodes == 1:
+        if kind == "all_reduce" and (group.nodes == 1 or nbytes is None or nbytes <= TREE_ACROSS_NODES_MAX_BYTES):
             names.append("tree")
     elif first == "torus":
         names.append("multidim")

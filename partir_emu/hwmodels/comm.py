@@ -190,7 +190,7 @@ class CommModel:
         if nbytes % isz:
             isz = math.gcd(nbytes, isz)
         best: tuple[float, AlgorithmChoice, CollectiveSchedule] | None = None
-        options = candidates(kind, group, self.placement.topology, self.requested(kind))
+        options = candidates(kind, group, self.placement.topology, self.requested(kind), nbytes)
         for choice in options:
             pairs = None
             if kind == "collective_permute":

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.collectives.schedule import CollectiveSchedule
-from partir_emu.hwmodels.async_steps import async_critical_path
+from partir_emu.hwmodels.async_steps import async_critical_path, drifts
 from partir_emu.hwmodels.links import Router
 from partir_emu.hwmodels.placement import Placement
 from partir_emu.hwmodels.topology import Topology
@@ -229,9 +229,10 @@ class Fabric:
         steps = np.flatnonzero(counts)
         if not steps.size:
             return
-        known = msgs.shape is not None
-        if known:                                              # built step by step: shapes are known
-            which = np.unique(msgs.shape[steps], return_inverse=True)[1].ravel()
+        shape = msgs.shape
+        known = shape is not None
+        if shape is not None:                                  # built step by step: shapes are known
+            which = np.unique(shape[steps], return_inverse=True)[1].ravel()
         else:
             # a cheap signature per step; steps that share it are checked to be identical below
             w = (pair * 0x9E3779B1 + 0x7F4A7C15) % 2_147_483_647
@@ -260,10 +261,11 @@ class Fabric:
 
         The lock-step sum (each step as long as its slowest message) is exact when the network treats
         every message of a step alike. When it does not (a degraded or failed link, a detour, routes of
-        different lengths), members drift apart, and the price is the larger of the lock-step sum and their
-        asynchronous critical path (:func:`.async_steps.async_critical_path`): a member
-        that finished a step early already sends its next step's message, which shares the slow
-        member's link with the message that member still waits for."""
+        different lengths, several messages of different sizes on one link), members drift apart, and the
+        price is their asynchronous critical path (:func:`.async_steps.async_critical_path`): a member
+        that finished a step early already sends its next step's message (which shares the slow
+        member's link with the message that member still waits for); one that waits for nothing slow
+        runs ahead, so a tree whose edges cross the spine or not is priced below the lock-step sum."""
         msgs = schedule_messages(sched)
         total = 0.0
         hops = 0
@@ -272,15 +274,14 @@ class Fabric:
             hops = max(hops, pat.hops)
             U, K = pat.lat.shape
             per = max(1, _BLOCK // max(1, U * K))
+            skewed = _uneven(pat)
             for lo in range(0, len(nb), per):
                 b = nb[lo:lo + per]
-                t = (pat.lat[None, :, :] + b[:, None, :] * pat.inv_bw[None, :, :]).max(axis=(1, 2))
-                total += float(t.sum())
-            uneven = uneven or _uneven(pat)
+                times = pat.lat[None, :, :] + b[:, None, :] * pat.inv_bw[None, :, :]
+                total += float(times.max(axis=(1, 2)).sum())
+                uneven = uneven or drifts(times, pat.inv_bw, b, skewed)
         if uneven:
-            # the lock-step sum stays a floor: where members running ahead would make the DES faster,
-            # the per-link shares here (bw / k on the bottleneck) are the pessimistic side of max-min
-            total = max(total, async_critical_path(self, msgs, token, chips))
+            total = async_critical_path(self, msgs, token, chips)
         return total, len(msgs.pair), hops
 
     def link_bytes(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
