@@ -14,13 +14,19 @@ lock step costs a handful of array operations per step.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from partir_emu.hwmodels.des.classes import MemberClasses
+from partir_emu.hwmodels.des.lockstep import Span, plan_span
 from partir_emu.hwmodels.des.plans import Groups, StepPlan, build_plan, make_groups, step_plans
-from partir_emu.hwmodels.des.protocols import CollectiveHost
+from partir_emu.hwmodels.des.protocols import CollectiveHost, SpanNetwork
 
 __all__ = ["CollectiveRun", "Groups", "StepPlan", "build_plan", "make_groups", "step_plans"]
+
+
+_MISSES = 256               # failed span attempts in a row after which a run stops trying (.lockstep)
 
 
 class CollectiveRun:
@@ -59,6 +65,12 @@ class CollectiveRun:
         self.worst_link = -1
         self.max_own = 0                  # most flows of this collective's step on one link
         self.group_max = max((pl.group_max for pl in plans), default=0)
+        # lock-step spans (.lockstep): on a network that supports them, with no per-message overhead
+        spans = bool(getattr(host.network, "spans", False)) and host.message_overhead_s <= 0
+        self._span_net = cast(SpanNetwork, host.network) if spans else None    # (the flow network, eager)
+        self._spans = spans
+        self.live_spans: set[Span] = set()
+        self._misses = 0                  # span attempts that failed in a row
 
     @property
     def num_steps(self) -> int:
@@ -102,6 +114,9 @@ class CollectiveRun:
     def _expand(self) -> None:
         """From classes to members (every member of a class is in its class's state, so this is exact);
         flows already sent over classes are delivered as such (:meth:`_delivered` translates)."""
+        for span in list(self.live_spans):         # (in class terms: hand them back first)
+            span.cancel(self.host.env.now)
+        assert self.classes is not None
         of = self.classes.of_member
         self.cur, self._t0, self._t1 = self.cur[of], self._t0[of], self._t1[of]
         self._count = {s: c[of] for s, c in self._count.items()}
@@ -124,6 +139,12 @@ class CollectiveRun:
                 self._finish(members, t)
                 return
             self.cur[members] = s
+            if self._spans and self._span_net is not None:
+                if plan_span(self, self._span_net, members, s, self.host.env.now) is not None:
+                    self._misses = 0
+                    return                                      # (a span ends them or hands them back)
+                self._misses += 1
+                self._spans = self._misses < _MISSES         # (members drifting apart all along: stop trying)
             plan = self.plans[s]
             self._send(plan, s, members, t)
             members = members[self._counts(s)[members] == 0]   # nothing to send or receive in step s
@@ -139,39 +160,50 @@ class CollectiveRun:
         else:
             self._left[s] = left
 
-    def _send(self, plan: StepPlan, s: int, members: np.ndarray, t: float) -> None:
+    def _idx(self, plan: StepPlan, members: np.ndarray) -> np.ndarray | None:
+        """The flows (entries) of ``plan`` that ``members`` send; ``None``: all of them."""
         if members.size == self.M:
-            idx = None
-        elif self.classes is not None:            # few classes, few distinct subsets: remember them
+            return None
+        if self.classes is not None:              # few classes, few distinct subsets: remember them
             okey = (id(plan.src), members.tobytes())
             idx = self._out.get(okey)
             if idx is None:
                 idx = self._out[okey] = plan.out_flows(members)
-        else:
-            idx = plan.out_flows(members)
+            return idx
+        return plan.out_flows(members)
+
+    def _send(self, plan: StepPlan, s: int, members: np.ndarray, t: float) -> None:
+        idx = self._idx(plan, members)
         if idx is not None and not idx.size:
             return
-        host = self.host
-        overhead = host.message_overhead_s
-        def cb(ids: np.ndarray | None, when: float, flows: bool = False, s: int = s,
-               over: bool = plan.classes is not None) -> None:
-            self._delivered(s, ids, when, over and not flows)
-        net = host.network
-        kw = {} if plan.classes is None else {"classes": plan.classes}
+        overhead = self.host.message_overhead_s
         if overhead <= 0:
-            net.send(plan.route, idx, plan.nbytes if idx is None else plan.nbytes[idx], cb, self, **kw)
+            self._post(plan, s, idx, plan.nbytes if idx is None else plan.nbytes[idx])
             return
         # each message costs its sender `overhead` to post, one after the other
         ids = np.arange(len(plan.src)) if idx is None else idx
         ranks = plan.rank[ids]
         for r in np.unique(ranks).tolist():
             sel = ids[ranks == r]
-            ev = host.env.timeout((r + 1) * overhead)
-            ev.callbacks.append(lambda _e, sel=sel: net.send(plan.route, sel, plan.nbytes[sel], cb, self, **kw))
+            ev = self.host.env.timeout((r + 1) * overhead)
+
+            def post(_e: object, sel: np.ndarray = sel) -> None:
+                self._post(plan, s, sel, plan.nbytes[sel])
+            ev.callbacks.append(post)
+
+    def _post(self, plan: StepPlan, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
+        """Send flows ``idx`` (all: ``None``) of step ``s`` now, ``nbytes`` each; deliveries go to :meth:`_delivered`."""
+        def cb(ids: np.ndarray | None, when: float, flows: bool = False, s: int = s,
+               over: bool = plan.classes is not None) -> None:
+            self._delivered(s, ids, when, over and not flows)
+        kw = {} if plan.classes is None else {"classes": plan.classes}
+        self.host.network.send(plan.route, idx, nbytes, cb, self, **kw)
 
     def _delivered(self, s: int, ids: np.ndarray | None, t: float, over_classes: bool = False) -> None:
         if over_classes and self.classes is None and ids is not None:   # sent over classes, expanded since
-            ids = self.class_plans[s].classes.expand(ids)[0]
+            fc = self.class_plans[s].classes
+            assert fc is not None
+            ids = fc.expand(ids)[0]
         plan = self.plans[s]
         cnt = self._counts(s)
         if ids is None:
@@ -179,7 +211,7 @@ class CollectiveRun:
             cand = np.flatnonzero((cnt == 0) & (self.cur == s))
         else:
             both = np.concatenate((plan.src[ids], plan.dst[ids]))
-            if plan.dsrc is None:
+            if plan.dsrc is None or plan.ddst is None:
                 np.subtract.at(cnt, both, 1)
             else:
                 np.subtract.at(cnt, both, np.concatenate((plan.dsrc[ids], plan.ddst[ids])))

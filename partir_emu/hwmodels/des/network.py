@@ -40,52 +40,17 @@ links: chunks of 64 KiB to 4 MiB agree with the flow model within 0.1 % and take
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import simpy
 
 from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
+from partir_emu.hwmodels.des.rates import Part, Solution, entry_links, flow_matrix, max_min_rates, solve
 from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern, Router, SymmetryBroken
 
-
-def max_min_rates(links: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Max-min fair rates of flows ``links[f]`` (padded link ids, ``-1`` = none) on links of capacity ``cap``.
-
-    Returns ``(rates, flows per link)``. Progressive filling: each round fixes every flow that
-    crosses a link whose fair share is the smallest of the round."""
-    nf = len(links)
-    nl = len(cap)
-    rates = np.zeros(nf)
-    flat = links.ravel()
-    valid = flat >= 0
-    counts = np.bincount(flat[valid], minlength=nl)
-    cnt = counts.astype(np.float64)
-    capr = cap.astype(np.float64).copy()
-    share = np.empty(nl + 1)
-    share[nl] = np.inf                        # the padding index -1 reads this
-    active = np.arange(nf)
-    act_links = links
-    while active.size:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            np.divide(capr, cnt, out=share[:nl])
-        share[:nl][cnt <= 0] = np.inf
-        fs = share[act_links].min(axis=1)
-        m = fs.min()
-        if not np.isfinite(m):                # flows without links (cannot happen for routed flows)
-            rates[active] = np.inf
-            break
-        fix = fs <= m * (1.0 + 1e-12)
-        rates[active[fix]] = m
-        fl = act_links[fix].ravel()
-        dec = np.bincount(fl[fl >= 0], minlength=nl)
-        capr -= dec * m
-        np.maximum(capr, 0.0, out=capr)
-        cnt -= dec
-        keep = ~fix
-        active = active[keep]
-        act_links = act_links[keep]
-    return rates, counts
+__all__ = ["FlowNetwork", "max_min_rates"]
 
 
 _CACHE_MAX = 1 << 15        # rate solutions kept (sets of batches in flight; a 4096-chip step meets ~25k)
@@ -95,7 +60,7 @@ _SAME_INSTANT = 1e-12       # relative: two wake-up times this close are one ins
 
 
 class _Batch:
-    __slots__ = ("route", "classes", "key", "n", "on_delivered", "owner")
+    __slots__ = ("route", "classes", "key", "n", "on_delivered", "owner", "sent")
 
     def __init__(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None, n: int,
                  on_delivered: Delivered, owner: ContentionSink | None) -> None:
@@ -105,6 +70,7 @@ class _Batch:
         self.n = n                        # entries (flows, or classes of flows) still in flight
         self.on_delivered = on_delivered
         self.owner = owner
+        self.sent = (route, classes, idx)  # as sent: its links (:meth:`FlowNetwork.links_of`) until all delivered
 
 
 class FlowNetwork:
@@ -144,8 +110,19 @@ class FlowNetwork:
         self._wakes: set[float] = set()       # eager: instants a wake-up is pending for
         self._target = -1.0                   # eager: the one that completes flows
         self._cache: dict[tuple, tuple[np.ndarray, list[tuple[int, int, int]]]] = {}
+        # lock-step spans (:mod:`.lockstep`): links reserved by a span (its id, -1 = none) and per span
+        # what to call when a send needs one of its links
+        self.spans = self.eager
+        self._reserved = np.full(router.num_links, -1, dtype=np.int64)
+        self._mask = np.zeros(router.num_links, dtype=bool)
+        self._spans: dict[int, tuple[np.ndarray, Callable[[float], None]]] = {}
+        self._span_ids = 0
+        self._links_cache: dict[tuple, np.ndarray] = {}
+        self.span_plans: dict[tuple, Any] = {}          # .lockstep's, by (plans, members, step)
         self.flows = 0
         self.batches = 0
+        self.spans_taken = 0
+        self.spans_broken = 0
         self.solves = 0
         self.splits = 0                 # class batches that had to go on flow by flow
         self.recomputes = 0
@@ -160,9 +137,12 @@ class FlowNetwork:
         n = total if idx is None else len(idx)
         if not n:
             return
+        batch = _Batch(route, classes, idx, n, on_delivered, owner)
+        if self._spans:
+            self._break_spans(self.links_of(route, classes, idx))
         self._advance()
         nbytes = np.asarray(nbytes, dtype=np.float64)
-        self._batches.append(_Batch(route, classes, idx, n, on_delivered, owner))
+        self._batches.append(batch)
         self._bstats.append([0, -1, 0])
         if classes is None:
             self.flows += n
@@ -180,20 +160,105 @@ class FlowNetwork:
             self._rate = np.concatenate((self._rate, np.zeros(n)))
             self._lat = np.concatenate((self._lat, lat))
             self._uid = np.concatenate((self._uid, uid))
-        # bytes per entry, spread over the links when they are read (link_bytes)
-        skey = (route.id, -1 if classes is None else classes.id)
-        sent = self._sent.get(skey)
-        if sent is None:
-            sent = self._sent[skey] = (route, classes, np.zeros(total))
-        if idx is None:
-            sent[2][:] += nbytes
-        else:
-            sent[2][idx] += nbytes
+        self.account(route, classes, idx, nbytes, owner, None)     # bytes per link
         self._touch()
 
     @property
     def busy(self) -> bool:
         return bool(self._batches)
+
+    # -- lock-step spans: steps of a collective priced ahead on links nobody else uses -----------------
+    def links_of(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None) -> np.ndarray:
+        """The distinct links of a batch (cached by its key)."""
+        key = (route.id, -1 if classes is None else classes.id, None if idx is None else idx.tobytes())
+        hit = self._links_cache.get(key)
+        if hit is None:
+            if len(self._links_cache) > _CACHE_MAX:
+                self._links_cache.clear()
+            ids = np.arange(route.n if classes is None else classes.n) if idx is None else idx
+            hit = self._links_cache[key] = entry_links(route, classes, ids)
+        return hit
+
+    def _in(self, held: np.ndarray, links: np.ndarray) -> np.ndarray:
+        """Which of ``links`` are among ``held`` (both distinct link ids; a scratch mask over the links)."""
+        mask = self._mask
+        mask[held] = True
+        out = mask[links]
+        mask[held] = False
+        return out
+
+    def free_steps(self, links: np.ndarray, first: np.ndarray, n: int) -> int:
+        """Of ``n`` steps whose links are ``links``, link ``links[i]`` first used by step ``first[i]``: how
+        many, from the first, use only links no flow in flight and no span holds."""
+        busy = self._reserved[links] >= 0
+        for b in self._batches:                 # (few: the links of the flows in flight, as sent)
+            busy |= self._in(self.links_of(*b.sent), links)
+        return int(first[busy].min()) if busy.any() else n
+
+    def alone(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None) -> Solution | None:
+        """The rates of a batch on links nobody else uses (per entry, and its contention row), as
+        :meth:`_settle` would find them for it alone; ``None`` if its classes' flows would not share
+        one rate (then it must be sent)."""
+        key = ((route.id, -1 if classes is None else classes.id, None if idx is None else idx.tobytes()),)
+        hit = self._cache.get(key)
+        if hit is None:
+            ids = np.arange(route.n if classes is None else classes.n) if idx is None else idx
+            self.solves += 1
+            hit, bad, counts = solve([(route, classes, ids)], self.cap)
+            if bad.any():
+                return None
+            np.maximum(self.link_max_flows, counts, out=self.link_max_flows)
+            if len(self._cache) > _CACHE_MAX:
+                self._cache.clear()
+            self._cache[key] = hit
+        return hit
+
+    def reserve(self, links: np.ndarray, on_break: Callable[[float], None]) -> int:
+        """Hold ``links`` (:meth:`free`) for a span; a send that needs one of them first calls
+        ``on_break(now)`` (the span's owner sends what is left of it). Returns the span's id."""
+        sid = self._span_ids
+        self._span_ids += 1
+        self._reserved[links] = sid
+        self._spans[sid] = (links, on_break)
+        self.spans_taken += 1
+        return sid
+
+    def release(self, sid: int) -> None:
+        """The span ended as priced: its links are free."""
+        links, _ = self._spans.pop(sid)
+        self._reserved[links] = -1
+
+    def _break_spans(self, links: np.ndarray) -> None:
+        held = self._reserved[links]
+        for sid in np.unique(held[held >= 0]).tolist():
+            if sid in self._spans:            # (a span broken just now may have broken this one)
+                _links, on_break = self._spans[sid]
+                self.release(sid)
+                self.spans_broken += 1
+                on_break(self.env.now)
+
+    def account(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None,
+                nbytes: np.ndarray, owner: ContentionSink | None, row: tuple[int, int, int] | None) -> None:
+        """Count bytes that moved without being sent here (a span's steps): flows, bytes per link and,
+        with ``row``, its contention and one batch."""
+        if row is not None:
+            self.batches += 1
+            self.flows += (route.n if classes is None else int(classes.ptr[-1])) if idx is None else (
+                len(idx) if classes is None else int(classes.mult[idx].sum()))
+            if owner is not None:
+                owner.contention(*row)
+        skey = (route.id, -1 if classes is None else classes.id)
+        sent = self._sent.get(skey)
+        if sent is None:
+            sent = self._sent[skey] = (route, classes, np.zeros(route.n if classes is None else classes.n))
+        if idx is None:
+            sent[2][:] += nbytes
+        else:
+            sent[2][idx] += nbytes
+
+    def call_later(self, delay: float, fn: Callable[[float], None]) -> None:
+        """Call ``fn(time)`` ``delay`` from now, as the network calls its delivery callbacks (then settle)."""
+        self._later(lambda _ids, now: fn(now), None, delay)
 
     @property
     def link_bytes(self) -> np.ndarray:
@@ -308,52 +373,27 @@ class FlowNetwork:
             self._target = -1.0
             self._complete(self._version)
 
+    def _parts(self) -> list[Part]:
+        """The batches in flight with the ids of their entries still in flight."""
+        parts, at = [], 0
+        for b in self._batches:
+            parts.append((b.route, b.classes, self._uid[at:at + b.n]))
+            at += b.n
+        return parts
+
     def _flows(self) -> tuple[np.ndarray, np.ndarray]:
         """Every flow in flight as a padded link matrix (entry after entry), and the flows per entry."""
-        parts, mults = [], []
-        at = 0
-        for b in self._batches:
-            ids = self._uid[at:at + b.n]
-            at += b.n
-            if b.classes is None:
-                parts.append(b.route.links[ids])
-                mults.append(np.ones(b.n, dtype=np.int64))
-            else:
-                flows, mult = b.classes.expand(ids)
-                parts.append(b.route.links[flows])
-                mults.append(mult)
-        h = max(x.shape[1] for x in parts)
-        parts = [x if x.shape[1] == h else np.pad(x, ((0, 0), (0, h - x.shape[1])), constant_values=-1)
-                 for x in parts]
-        return np.concatenate(parts), np.concatenate(mults)
+        return flow_matrix(self._parts())
 
-    def _solve(self) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    def _solve(self) -> Solution:
         self.solves += 1
         while True:
-            links, mult = self._flows()
-            rates, counts = max_min_rates(links, self.cap)
-            starts = np.concatenate(([0], np.cumsum(mult)[:-1]))
-            lo = np.minimum.reduceat(rates, starts)
-            bad = np.maximum.reduceat(rates, starts) != lo
+            hit, bad, counts = solve(self._parts(), self.cap)
             if not bad.any():
                 break
             self._split(bad)
         np.maximum(self.link_max_flows, counts, out=self.link_max_flows)
-        # per batch: the most flows (of anyone) on one of its links, which link, and its own most
-        sizes = np.add.reduceat(mult, np.concatenate(([0], np.cumsum([b.n for b in self._batches])[:-1])))
-        fstarts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        ext = np.append(counts, -1)
-        per = ext[links]
-        j = per.argmax(axis=1)
-        fmax = per[np.arange(len(per)), j]
-        flink = links[np.arange(len(per)), j]
-        bmax = np.maximum.reduceat(fmax, fstarts)
-        stats = []
-        for j, (a, n) in enumerate(zip(fstarts.tolist(), sizes.tolist())):     # few batches
-            seg = links[a:a + n]
-            stats.append((int(bmax[j]), int(flink[a + int(np.argmax(fmax[a:a + n] == bmax[j]))]),
-                          int(np.bincount(seg[seg >= 0]).max())))
-        return lo, stats
+        return hit
 
     def _split(self, bad: np.ndarray) -> None:
         """The batches holding an entry whose flows got different rates go on flow by flow (exact: until
@@ -375,7 +415,8 @@ class FlowNetwork:
             lat.append(b.route.latency_s[flows])
             uid.append(flows)
             b.classes, b.n, b.key = None, len(flows), (b.route.id, -1, flows.tobytes())
-            b.on_delivered = functools.partial(b.on_delivered, flows=True)
+            # its owner (hasattr expand: a CollectiveRun) takes flows=True: the ids are flows now
+            b.on_delivered = functools.partial(cast(Any, b.on_delivered), flows=True)
             b.owner.expand()
             self.splits += 1
         self._rem, self._lat, self._uid = np.concatenate(rem), np.concatenate(lat), np.concatenate(uid)

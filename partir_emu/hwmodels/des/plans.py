@@ -126,11 +126,11 @@ def step_plans(sched: CollectiveSchedule, groups: Groups, router: Router, aggreg
         else:
             c = tab.chunk[lo:hi].astype(np.int64)
             nb = (prefix[c + tab.count[lo:hi]] - prefix[c]).astype(np.float64)
-        mb = np.bincount(msg_of, weights=nb, minlength=len(proto.nbytes) // G)
-        bkey = mb.tobytes()
+        per_msg = np.bincount(msg_of, weights=nb, minlength=len(proto.nbytes) // G)
+        bkey = per_msg.tobytes()
         tiled = sizes.get(bkey)
         if tiled is None:
-            tiled = sizes[bkey] = np.tile(mb, G)
+            tiled = sizes[bkey] = np.tile(per_msg, G)
         out.append(replace(proto, nbytes=tiled))
     return out
 
@@ -141,8 +141,12 @@ def build_plan(ms: np.ndarray, md: np.ndarray, mb: np.ndarray, G: int, p: int, c
     each of ``G`` groups; member ``g*p + pos`` sits on chip ``chips[g*p + pos]``."""
     M = G * p
     K = len(ms)
-    seen: dict[int, int] = {}
-    rk = np.array([seen.__setitem__(s, seen.get(s, -1) + 1) or seen[s] for s in ms.tolist()], dtype=np.int64)
+    sent: dict[int, int] = {}          # messages of each sender so far: a message's rank among its sender's
+    ranks = []
+    for s in ms.tolist():
+        ranks.append(sent.get(s, 0))
+        sent[s] = ranks[-1] + 1
+    rk = np.array(ranks, dtype=np.int64)
     base = (np.arange(G, dtype=np.int64) * p)[:, None]
     src = (base + ms[None, :]).ravel()
     dst = (base + md[None, :]).ravel()

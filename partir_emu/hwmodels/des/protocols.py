@@ -14,7 +14,7 @@ only through one of these protocols, so the dependencies run one way: ``model`` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import simpy
@@ -37,13 +37,41 @@ class Network(Protocol):
 
     kind: str
     flows: int                       # flows started so far
-    link_bytes: np.ndarray           # per link: bytes carried
     link_max_flows: np.ndarray       # per link: most flows at once
+
+    @property
+    def link_bytes(self) -> np.ndarray:
+        """Per link: bytes carried so far (read-only: a network may total them on demand)."""
 
     def send(self, route: RoutePattern, idx: np.ndarray | None, nbytes: np.ndarray, on_delivered: Delivered,
              owner: ContentionSink | None = None, classes: FlowClasses | None = None) -> None:
         """Start flows ``idx`` of ``route`` (all when ``None``) now, ``nbytes[k]`` bytes for the k-th
         (with ``classes``: ``idx`` names classes of flows; only the flow network takes them)."""
+
+
+class SpanNetwork(Network, Protocol):
+    """A network that can hold lock-step spans (:mod:`.lockstep`; the flow network does): it prices a
+    batch alone, reserves links for a span and counts what a span moved."""
+
+    env: simpy.Environment
+    resolution_s: float
+    span_plans: dict[tuple, Any]             # .lockstep's cache
+
+    def links_of(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None) -> np.ndarray: ...
+
+    def free_steps(self, links: np.ndarray, first: np.ndarray, n: int) -> int: ...
+
+    def alone(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None
+              ) -> tuple[np.ndarray, list[tuple[int, int, int]]] | None: ...
+
+    def reserve(self, links: np.ndarray, on_break: Callable[[float], None]) -> int: ...
+
+    def release(self, sid: int) -> None: ...
+
+    def account(self, route: RoutePattern, classes: FlowClasses | None, idx: np.ndarray | None,
+                nbytes: np.ndarray, owner: ContentionSink | None, row: tuple[int, int, int] | None) -> None: ...
+
+    def call_later(self, delay: float, fn: Callable[[float], None]) -> None: ...
 
 
 class CollectiveHost(Protocol):
@@ -89,5 +117,5 @@ class ComputeSink(Protocol):
     def compute(self, devices: np.ndarray, t0: float, t1: float, action: ComputeSpan) -> None: ...
 
 
-__all__ = ["Delivered", "ContentionSink", "Network", "CollectiveHost", "CollectiveOpener", "ComputeSpan",
+__all__ = ["Delivered", "ContentionSink", "Network", "SpanNetwork", "CollectiveHost", "CollectiveOpener", "ComputeSpan",
            "ComputeSink"]
