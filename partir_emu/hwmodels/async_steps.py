@@ -133,14 +133,15 @@ def _ragged(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 class _Pairs(NamedTuple):
     """The ordered pairs of a step shape's flows that share a link (of at most ``_PAIR_CAP`` flows):
-    pair ``i`` is cells ``a[i]`` and ``b[i]`` (cell = one link of one flow's route: flow ``f``, hop ``h``)."""
+    pair ``i`` is flows ``fa[i]`` and ``fb[i]`` on cell ``cell[i]`` (cell = one link of one flow's
+    route); cell ``j`` is hop ``h[j]`` of flow ``f[j]``, over link ``lk[j]``."""
 
+    fa: np.ndarray
+    fb: np.ndarray
+    cell: np.ndarray
     f: np.ndarray
     h: np.ndarray
     lk: np.ndarray
-    cells: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
 
 
 def _pairs(links: np.ndarray) -> _Pairs | None:
@@ -160,7 +161,9 @@ def _pairs(links: np.ndarray) -> _Pairs | None:
     per = np.repeat(g_n, g_n)                                  # each cell's link: its flow count
     a = np.repeat(cells, per)                                  # every ordered pair of flows on a link
     b = _ragged(np.repeat(g_first, g_n), per)
-    return _Pairs(f, h, lk, cells, a, b)
+    at = np.empty(len(lk), dtype=np.int64)                     # cell -> its row among `cells`
+    at[cells] = np.arange(len(cells))
+    return _Pairs(f[a], f[b], at[a], f[cells], h[cells], lk[cells])
 
 
 def _staggered_busy(cur: _Flows, r: np.ndarray, bw: np.ndarray, memo: dict) -> np.ndarray:
@@ -176,15 +179,14 @@ def _staggered_busy(cur: _Flows, r: np.ndarray, bw: np.ndarray, memo: dict) -> n
     pr = memo[key][0]
     if pr is None:
         return busy
-    f, h, lk, cells, a, b = pr
-    fa, fb = f[a], f[b]
-    xa, xb, ra, rb = cur.x[fa], cur.x[fb], r[fa], r[fb]
-    with np.errstate(invalid="ignore"):
-        left_b = np.maximum(xb - np.maximum(ra - rb, 0.0) / np.where(cur.inv[fb] > 0, cur.inv[fb], np.inf), 0.0)
-        left_a = np.maximum(xa - np.maximum(rb - ra, 0.0) / np.where(cur.inv[fa] > 0, cur.inv[fa], np.inf), 0.0)
-    comp = np.where(fa == fb, xa, np.minimum(left_b, left_a))
-    tot = np.bincount(a, weights=comp, minlength=len(lk))
-    busy[f[cells], h[cells]] = tot[cells] / bw[lk[cells]]
+    with np.errstate(divide="ignore"):
+        rate = np.where(cur.inv > 0, 1.0 / np.where(cur.inv > 0, cur.inv, 1.0), 0.0)   # bytes/s so far
+    fa, fb = pr.fa, pr.fb
+    d = r[fa] - r[fb]                                          # how much later a started than b
+    left_b = np.maximum(cur.x[fb] - np.maximum(d, 0.0) * rate[fb], 0.0)     # b's bytes left when a starts
+    left_a = np.maximum(cur.x[fa] - np.maximum(-d, 0.0) * rate[fa], 0.0)    # (a with itself: its bytes)
+    tot = np.bincount(pr.cell, weights=np.minimum(left_a, left_b), minlength=len(pr.f))
+    busy[pr.f, pr.h] = tot / bw[pr.lk]
     return busy
 
 
