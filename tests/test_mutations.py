@@ -26,7 +26,7 @@ from partir_emu.collectives.transfers import TransferTable
 from partir_emu.hwmodels import algorithm_choice, analytical, comm, contention, links, pricing
 from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer
 from partir_emu.hwmodels.des.validate import Case, ValidationReport
-from partir_emu.hwmodels.topology import Topology
+from partir_emu.hwmodels.topology import Topology, pad_routes
 from tests import (
     test_collectives_schedule,
     test_des_collectives,
@@ -114,7 +114,7 @@ def _analytical_long_way() -> Patch:
             dims, wrap = np.array(topo.dims), np.array(topo.wrap)
             delta = coords[dst] - coords[src]
             delta = np.where(wrap[None, :], np.mod(delta, dims), delta)
-            return links._matrix([_walk(step, nxt, int(s), d) for s, d in zip(src.tolist(), delta.tolist())])
+            return pad_routes([_walk(step, nxt, int(s), d) for s, d in zip(src.tolist(), delta.tolist())])
 
     def make(m: comm.CommModel) -> Callable:
         router = LongWay(m.placement.topology, m.link_factors)

@@ -30,8 +30,6 @@ import numpy as np
 from partir_emu.errors import PartirError
 from partir_emu.hwmodels.topology import Link, Node, Topology, pad_routes
 
-_matrix = pad_routes      # the name tests/test_mutations.py pads its mutated routes with
-
 
 class FaultError(PartirError):
     """A bad fault option (straggler, degraded or failed link) for either hardware model."""
