@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from partir_emu.hwmodels.des.plans import StepPlan
+from partir_emu.hwmodels.des.rates import SAME_INSTANT
 
 if TYPE_CHECKING:                        # (a cycle otherwise: the run builds spans, a span drives its run)
     from partir_emu.hwmodels.des.collective import CollectiveRun
     from partir_emu.hwmodels.des.protocols import SpanNetwork
 
-_SAME_INSTANT = 1e-12        # as the network: a flow due this close to now is due now
 
 
 class SpanStep(NamedTuple):
@@ -84,12 +84,8 @@ class Span:
         self.live = False
         run, net, members = self.run, self.net, self.members
         run.live_spans.discard(self)
-        k = 0
-        while self.steps[k].t2 <= now:       # (the end event has not fired, so some step ends later)
-            k += 1
-            if k == len(self.steps):
-                k -= 1
-                break
+        # the step under way: the first that ends later (or, at the span's very end, the last)
+        k = next((i for i, st in enumerate(self.steps) if st.t2 > now), len(self.steps) - 1)
         st = self.steps[k]
         self._count(self.steps[:k])
         for j in range(self.s0, self.s0 + k):
@@ -220,7 +216,7 @@ def plan_span(run: CollectiveRun, net: SpanNetwork, members: np.ndarray, s: int,
     steps = []
     t = now
     for plan, idx, nbytes, rate, row, m, lat in tpl.steps[:k]:
-        if not m > _SAME_INSTANT * t:
+        if not m > SAME_INSTANT * t:
             break
         t1 = t + m
         t2 = t1 + lat

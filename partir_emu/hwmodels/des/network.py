@@ -47,7 +47,7 @@ import numpy as np
 import simpy
 
 from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
-from partir_emu.hwmodels.des.rates import Part, Solution, entry_links, flow_matrix, max_min_rates, solve
+from partir_emu.hwmodels.des.rates import SAME_INSTANT, Part, Solution, entry_links, flow_matrix, max_min_rates, solve
 from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern, Router, SymmetryBroken
 
 __all__ = ["FlowNetwork", "max_min_rates"]
@@ -56,7 +56,6 @@ __all__ = ["FlowNetwork", "max_min_rates"]
 _CACHE_MAX = 1 << 15        # rate solutions kept (sets of batches in flight; a 4096-chip step meets ~25k)
 _EMPTY_F = np.zeros(0)
 _EMPTY_I = np.zeros(0, dtype=np.int64)
-_SAME_INSTANT = 1e-12       # relative: two wake-up times this close are one instant (far below the 1 ns resolution)
 
 
 class _Batch:
@@ -347,7 +346,7 @@ class FlowNetwork:
         with np.errstate(divide="ignore", invalid="ignore"):
             left = self._rem / self._rate
         m = float(left.min())
-        if m <= _SAME_INSTANT * self.env.now:
+        if m <= SAME_INSTANT * self.env.now:
             return 0.0                  # flows due now (a send came at their completion): never held back
         if len(left) > 1:
             m = float(left[left <= m + self.resolution_s].max())
@@ -359,7 +358,7 @@ class FlowNetwork:
         rather than adding one more event; the others stay pending and are ignored when they fire."""
         t = self.env.now + delay
         for w in self._wakes:
-            if abs(w - t) <= _SAME_INSTANT * t:
+            if abs(w - t) <= SAME_INSTANT * t:
                 self._target = w
                 return
         self._wakes.add(t)
@@ -430,7 +429,7 @@ class FlowNetwork:
         # started at this instant have no rate yet (inf)
         with np.errstate(divide="ignore", invalid="ignore"):
             left = self._rem / self._rate
-        done = left <= _SAME_INSTANT * self.env.now
+        done = left <= SAME_INSTANT * self.env.now
         batches = self._batches
         starts, at = [], 0
         for b in batches:

@@ -15,6 +15,10 @@ import numpy as np
 
 from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern
 
+SAME_INSTANT = 1e-12
+"""Relative: two times this close are one instant (far below the network's 1 ns resolution); a flow
+due this close to now is due now."""
+
 Part = tuple[RoutePattern, "FlowClasses | None", np.ndarray]
 """A batch's entries in flight: its route, its flow classes (or ``None``: single flows) and entry ids."""
 
