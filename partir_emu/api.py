@@ -30,6 +30,7 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.specs import load_spec
+from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.local_mesh import LocalMesh
 
 __all__ = ["Lowered", "Jitted", "jit", "lower_program", "trace", "analytical_cost"]
@@ -74,8 +75,8 @@ class Lowered(compiler_api.Lowered):
     in_tree: Any = None
     out_tree: Any = None
 
-    def run(self, *flat_inputs: np.ndarray, algorithm: str = "ring"):
-        return LocalMesh(self.spmd.mesh, algorithm=algorithm).run(self.spmd, list(flat_inputs))
+    def run(self, *flat_inputs: np.ndarray, algorithm: str = "ring", kernels: str = "blas"):
+        return LocalMesh(self.spmd.mesh, algorithm=algorithm, kernels=kernels).run(self.spmd, list(flat_inputs))
 
     def to_jax(self, devices: Any = None):
         """The in/out shardings as ``NamedSharding``s for ``jax.jit`` (see :func:`partir_emu.interop.to_jax`)."""
@@ -98,7 +99,7 @@ class Jitted:
     def __init__(self, fn: Callable, mesh: Mesh, schedule: Sequence[Tactic], algorithm: str = "ring",
                  state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost,
                  backend: str = "local", devices_per_rank: int = 1, outputs: str = "all",
-                 timeout_s: float | None = 300.0):
+                 timeout_s: float | None = 300.0, kernels: str = "blas"):
         if backend not in BACKENDS:
             raise ArgumentError(f"backend={backend!r}: use one of {BACKENDS}")
         if backend == "mpi" and (not isinstance(devices_per_rank, int) or devices_per_rank < 1):
@@ -106,6 +107,7 @@ class Jitted:
         self.fn, self.mesh, self.schedule, self.algorithm = fn, mesh, list(schedule), algorithm
         self.state_outputs, self.cost_model = state_outputs, cost_model
         self.backend, self.devices_per_rank, self.outputs, self.timeout_s = backend, devices_per_rank, outputs, timeout_s
+        self.kernels = check_kernels(kernels)
         self._cache: dict[Any, Lowered] = {}
         self._nargs = _positional_count(fn)
 
@@ -142,9 +144,9 @@ class Jitted:
         if self.backend == "mpi":
             from partir_emu import mpi  # here: importing mpi4py initialises MPI, only MPI users may
             outs = mpi.run(low.spmd, flat, devices_per_rank=self.devices_per_rank, algorithm=self.algorithm,
-                           outputs=self.outputs, timeout_s=self.timeout_s)
+                           outputs=self.outputs, timeout_s=self.timeout_s, kernels=self.kernels)
         else:
-            outs = low.run(*flat, algorithm=self.algorithm).outputs
+            outs = low.run(*flat, algorithm=self.algorithm, kernels=self.kernels).outputs
         return _jax().tree_util.tree_unflatten(low.out_tree, outs)
 
 
@@ -167,11 +169,13 @@ def _positional_count(fn: Callable) -> int | None:
 def jit(fn: Callable, *, mesh: Mesh, schedule: Sequence[Tactic] = (), algorithm: str = "ring",
         state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = analytical_cost,
         backend: str = "local", devices_per_rank: int = 1, outputs: str = "all",
-        timeout_s: float | None = 300.0) -> Jitted:
+        timeout_s: float | None = 300.0, kernels: str = "blas") -> Jitted:
     """Partition ``fn`` over ``mesh`` with ``schedule``; calls run on the in-process mesh, or with
     ``backend="mpi"`` on the ranks of the ``mpiexec`` that started this script (rank 0 calls, the
     others are in :func:`partir_emu.mpi.serve`; ``devices_per_rank`` devices each; ``outputs="all"``
     gives every rank the global outputs, ``"root"`` only rank 0; every wait ends after ``timeout_s``).
-    ``state_outputs={"1": "params"}`` lays output ``1/...`` out like input ``params/...``."""
+    ``state_outputs={"1": "params"}`` lays output ``1/...`` out like input ``params/...``.
+    ``kernels="exact"``: the fixed-order matmul (:mod:`partir_emu.runtime.kernels`), with which
+    row-tiled results equal the unpartitioned ones bit for bit where no sum crosses devices."""
     return Jitted(fn, mesh, schedule, algorithm, state_outputs, cost_model, backend, devices_per_rank, outputs,
-                  timeout_s)
+                  timeout_s, kernels)

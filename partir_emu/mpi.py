@@ -35,6 +35,7 @@ from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import EmulationError, MeshError
 from partir_emu.runtime import worker
+from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.mpi_mesh import wait_all
 
 _STOP, _RUN = 0, 1
@@ -113,7 +114,7 @@ def _decode_arrays(data: bytes) -> list[np.ndarray]:
 
 
 def _command(s: _Session, header: np.ndarray | None) -> np.ndarray:
-    """Rank 0 sends ``[op, new_program, devices_per_rank, outputs_to_all, algorithm length]``; all get it."""
+    """Rank 0 sends ``[op, new_program, devices_per_rank, outputs_to_all, options length]``; all get it."""
     buf = header if header is not None else np.zeros(5, np.int64)
     wait_all([s.comm.Ibcast([buf, MPI.INT64_T], root=0)], s.timeout_s, "the next command from rank 0")
     return buf
@@ -123,7 +124,7 @@ def _step(s: _Session, header: np.ndarray, algorithm: bytes | None, program: byt
           inputs: bytes | None) -> list[np.ndarray] | None:
     """One call on every rank: receive what is new, run this rank's devices, share the outputs."""
     _, new_program, k, to_all, _ = (int(x) for x in header)
-    alg = _bcast_bytes(s, algorithm, "the collective algorithm").decode()
+    options = json.loads(_bcast_bytes(s, algorithm, "the run options (algorithm, kernels)"))
     if new_program:
         text = _bcast_bytes(s, program, "the program")
         if program is None:
@@ -132,7 +133,7 @@ def _step(s: _Session, header: np.ndarray, algorithm: bytes | None, program: byt
     assert s.program is not None
     flat = _decode_arrays(_bcast_bytes(s, inputs, "the inputs"))
     with s.guard:
-        job = {"algorithm": alg, "devices_per_rank": k}
+        job = {"algorithm": options["algorithm"], "kernels": options["kernels"], "devices_per_rank": k}
         res = worker.run_job(s.comm, s.program, job, s.guard, inputs=flat, timeout_s=s.timeout_s)
     outputs = res["outputs"] if res is not None else None
     if to_all:
@@ -144,10 +145,11 @@ def _step(s: _Session, header: np.ndarray, algorithm: bytes | None, program: byt
 
 # -- rank 0 ---------------------------------------------------------------------------------------------
 def run(spmd: SpmdProgram, flat_inputs: Sequence[np.ndarray], *, devices_per_rank: int = 1,
-        algorithm: str = "ring", outputs: str = "all", timeout_s: float | None = DEFAULT_TIMEOUT_S
-        ) -> list[np.ndarray]:
+        algorithm: str = "ring", outputs: str = "all", timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        kernels: str = "blas") -> list[np.ndarray]:
     """Rank 0: run ``spmd`` on every rank's devices (the others are in :func:`serve`); returns the
-    global outputs. ``pe.jit(..., backend="mpi")`` calls this."""
+    global outputs. ``pe.jit(..., backend="mpi")`` calls this. ``kernels``: the matmul kernel
+    (:mod:`partir_emu.runtime.kernels`)."""
     s = _session(timeout_s)
     if s.comm.Get_rank() != 0:
         raise EmulationError(f"partir_emu.mpi.run is rank 0's; rank {s.comm.Get_rank()} must call serve()")
@@ -162,7 +164,7 @@ def run(spmd: SpmdProgram, flat_inputs: Sequence[np.ndarray], *, devices_per_ran
         raise EmulationError("partir_emu.mpi.finish() was called: the other ranks have left serve()")
     new = id(spmd) != s.program_id
     s.program, s.program_id = spmd, id(spmd)
-    alg = algorithm.encode()
+    alg = json.dumps({"algorithm": algorithm, "kernels": check_kernels(kernels)}).encode()
     header = np.array([_RUN, int(new), devices_per_rank, int(outputs == "all"), len(alg)], np.int64)
     _command(s, header)
     out = _step(s, header, alg, spmd.dumps().encode() if new else None,

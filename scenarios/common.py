@@ -170,6 +170,21 @@ class Scenario:
                                 f"its strategies are {sorted(self.strategies)}")
         return self.strategies[name](mesh, cfg)
 
+    def carries(self, name: str, mesh: Mesh, cfg: Config | None = None) -> bool:
+        """Whether strategy ``name`` builds on ``mesh``: the mesh has every axis it acts on."""
+        try:
+            self.strategy(name, mesh, cfg if cfg is not None else self.config())
+        except ScenarioError:
+            return False
+        return True
+
+    def first_mesh(self, name: str, meshes: Sequence[str]) -> str:
+        """The first of ``meshes`` (``"batch=2,model=2"`` ...) that carries strategy ``name``."""
+        for mesh in meshes:
+            if self.carries(name, Mesh.parse(mesh)):
+                return mesh
+        raise ScenarioError(f"no mesh of {list(meshes)} carries {self.name} {name}; give one with the axes it needs")
+
 
 def _map_shapes(tree: dict, fn: Callable) -> dict:
     return {k: (_map_shapes(v, fn) if isinstance(v, dict) else fn(v)) for k, v in tree.items()}

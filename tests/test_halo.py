@@ -279,19 +279,40 @@ def test_conv_net_tiled_on_h_and_w_and_with_batch():
 
 
 @pytest.mark.parametrize("b", [2, 4])
-def test_tiled_features_are_bit_identical_to_the_unpartitioned_program(b):
+def test_tiled_features_are_bit_identical_to_the_unpartitioned_program_with_the_exact_kernel(b):
     """Where no sum crosses devices (convs, relu, max pooling, a stride-2 conv), every output row
-    is computed by one device from the same values in the same order: bit for bit."""
+    is computed by one device from the same values in the same order. With the fixed-order matmul
+    (kernels="exact") that is bit for bit, on any CPU; with BLAS it is not (OpenBLAS's Haswell and
+    SkylakeX kernels round a row of a GEMM by the matrix's shape), so there the rows agree to float32
+    rounding."""
     def features(p, x):
         h = jax.nn.relu(lax.conv_general_dilated(x, p["c1"], (1, 1), "SAME", dimension_numbers=NHWC))
         h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
         return lax.conv_general_dilated(h, p["c2"], (2, 2), "SAME", dimension_numbers=NHWC)
     args = _ARGS[:2]
-    want = eval_program(trace(features, *args), [np.asarray(a) for a in jax.tree_util.tree_leaves(args)])[0]
-    pjit = partir_emu.jit(features, mesh=Mesh(spatial=b), schedule=[ManualPartition({"x": 1}, axis="spatial")])
-    got = pjit(*args)
-    assert np.asarray(got).tobytes() == want.tobytes()
-    assert len(_prims(pjit.lower(*args).spmd, "collective_permute")) == 4     # 2 + 1 (pool) + 1 (stride 2)
+    flat = [np.asarray(a) for a in jax.tree_util.tree_leaves(args)]
+    schedule = [ManualPartition({"x": 1}, axis="spatial")]
+    exact = partir_emu.jit(features, mesh=Mesh(spatial=b), schedule=schedule, kernels="exact")
+    want = eval_program(trace(features, *args), flat, kernels="exact")[0]
+    assert np.asarray(exact(*args)).tobytes() == want.tobytes()
+    blas = np.asarray(partir_emu.jit(features, mesh=Mesh(spatial=b), schedule=schedule)(*args))
+    np.testing.assert_allclose(blas, want, rtol=1e-5, atol=1e-6)
+    assert len(_prims(exact.lower(*args).spmd, "collective_permute")) == 4     # 2 + 1 (pool) + 1 (stride 2)
+
+
+def test_the_exact_kernel_sums_in_a_fixed_order():
+    """The exact matmul is the k-ordered sum of rounded products, so a block of rows equals those
+    rows of the whole product bit for bit, and it agrees with BLAS to rounding."""
+    from partir_emu.primitives.matmul import exact_matmul
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 37, 300), np.float32), rng.standard_normal((2, 300, 19), np.float32)
+    whole = exact_matmul(a, b)
+    assert whole.tobytes() == np.concatenate([exact_matmul(a[:, :5], b), exact_matmul(a[:, 5:], b)], 1).tobytes()
+    row = np.zeros(19, np.float32)
+    for k in range(300):                    # the definition, one element row at a time
+        row = row + a[1, 7, k] * b[1, k]
+    assert whole[1, 7].tobytes() == row.tobytes()
+    np.testing.assert_allclose(whole, a @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_conv_net_is_priced_by_the_analytical_model_and_the_des():

@@ -20,12 +20,11 @@ takes the first 4) and runs it and our LocalMesh on the same inputs. The numbers
 elementwise (rtol 1e-5, atol 1e-6), or where rounding is amplified (Adam's update of a
 near-zero gradient, bfloat16 compute) within the verdict's normwise bound, with both runs
 verified against float64; and the compiled executable and the arrays it returns must carry
-exactly the exported shardings. The cases share two child processes, whole scenarios each, that
-run side by side.
+exactly the exported shardings. Each chunk of up to ``CHUNK`` cases of one scenario has its own
+child process, in its own xdist group, with its own timeout.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import re
@@ -38,9 +37,9 @@ from partir_emu.api import lower_program
 from partir_emu.app import cli
 from partir_emu.app.compare_xla import FAST_COMPILE, run_child
 from partir_emu.app.experiment import ATOL, RTOL, Experiment
+from partir_emu.app.verdict import References
 from partir_emu.app.xla_child import compare_outputs
 from partir_emu.core.mesh import Mesh
-from partir_emu.errors import ScenarioError
 from partir_emu.interop import partition_specs
 from scenarios import get_scenario, list_scenarios
 from scenarios.common import STATE_OUTPUTS
@@ -54,7 +53,9 @@ from scenarios.common import STATE_OUTPUTS
 MESHES = ("batch=2,model=2", "spatial=4", "batch=2,spatial=2")
 MESH3 = "pod=2,batch=2,model=2"
 DEVICES = 8
-CHILDREN = 2            # XLA child processes, each given whole scenarios (see answers)
+pytestmark = pytest.mark.xla
+CHUNK = 6               # cases per XLA child (see _chunks)
+CHILD_TIMEOUT_S = 900   # one child on a loaded 2-core machine (a quiet one takes 20-60 s)
 VARIANTS = ("precision=bf16", "kv_heads=1", "attention=flash", "block=parallel", "layers_as=loop")
 DATA_PARTS = {"bp", "z2", "z3", "edge", "node"}   # gns shards edges/nodes on the data axes; other parts act on model
 
@@ -69,12 +70,7 @@ def _mixes_data_and_model(strategy: str) -> bool:
 
 def _fits(scenario: str, strategy: str, mesh: str) -> bool:
     """Whether ``strategy`` builds on ``mesh`` (at the default size): every axis it needs is there."""
-    sc = get_scenario(scenario)
-    try:
-        sc.strategy(strategy, Mesh.parse(mesh), sc.config())
-    except ScenarioError:
-        return False
-    return True
+    return get_scenario(scenario).carries(strategy, Mesh.parse(mesh))
 
 
 def _most_complete_first(strategies: list[str]) -> list[str]:
@@ -107,31 +103,46 @@ def _id(case: tuple) -> str:
     return f"{sc}-{st}-{mesh.replace('=2', '').replace(',', '.')}" + (f"-{ov}" if ov else "")
 
 
-def _groups(cases: list[tuple], n: int) -> list[list[tuple]]:
-    """``cases`` in ``n`` groups of whole scenarios (a child traces each configuration once),
-    the scenario with the most cases first into the smallest group."""
+def _chunks(cases: list[tuple]) -> dict[tuple, str]:
+    """Each case's chunk: the cases of one scenario, at most ``CHUNK`` to a chunk. One child process
+    answers a chunk (it traces each configuration once), so a child that is slow or dies fails its
+    own chunk's cases, not the module's."""
     by_scenario: dict[str, list[tuple]] = {}
     for c in cases:
         by_scenario.setdefault(c[0], []).append(c)
-    groups: list[list[tuple]] = [[] for _ in range(n)]
-    for group in sorted(by_scenario.values(), key=len, reverse=True):
-        min(groups, key=len).extend(group)
-    return [g for g in groups if g]
+    out = {}
+    for name, group in by_scenario.items():
+        for k in range(0, len(group), CHUNK):
+            out.update(dict.fromkeys(group[k:k + CHUNK], f"xla-{name}-{k // CHUNK}"))
+    return out
 
 
-@pytest.fixture(scope="module")
-def answers() -> dict:
-    """The child's answer per case, from CHILDREN XLA processes that run side by side (XLA compiles
-    on about one core; the CPU time is the same as one child's)."""
-    def run(group: list[tuple]) -> list[dict]:
-        reqs = [{"scenario": sc, "strategy": st, "mesh": mesh, "overrides": ov, "seed": 0, "run": True}
-                for sc, st, mesh, ov in group]
-        return run_child(reqs, DEVICES, timeout=600, xla_flags=FAST_COMPILE)
+CHUNK_OF = _chunks(CASES)
 
-    groups = _groups(CASES, CHILDREN)
-    with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:     # why threads: each waits on its child
-        results = list(pool.map(run, groups))
-    return {c: a for group, res in zip(groups, results) for c, a in zip(group, res)}
+
+@functools.cache
+def _chunk_answers(chunk: str) -> dict | Exception:
+    """The child's answer per case of ``chunk`` (or the error that stopped the child, kept so that the
+    chunk's other cases report it without running the child again)."""
+    mine = [c for c in CASES if CHUNK_OF[c] == chunk]
+    reqs = [{"scenario": sc, "strategy": st, "mesh": mesh, "overrides": ov, "seed": 0, "run": True}
+            for sc, st, mesh, ov in mine]
+    try:
+        return dict(zip(mine, run_child(reqs, DEVICES, timeout=CHILD_TIMEOUT_S, xla_flags=FAST_COMPILE)))
+    except Exception as exc:          # noqa: BLE001  (reported by each case of the chunk)
+        return exc
+
+
+def _answer(case: tuple) -> dict:
+    got = _chunk_answers(CHUNK_OF[case])
+    if isinstance(got, Exception):
+        raise got
+    return got[case]
+
+
+def _grouped(cases: list[tuple]) -> list:
+    """The cases as parameters, each in its chunk's xdist group (one worker runs a chunk's child)."""
+    return [pytest.param(c, id=_id(c), marks=pytest.mark.xdist_group(CHUNK_OF[c])) for c in cases]
 
 
 def test_every_strategy_of_every_scenario_is_covered():
@@ -145,9 +156,9 @@ def test_every_strategy_of_every_scenario_is_covered():
     assert sorted(ov for *_, ov in CASES if ov) == sorted(VARIANTS)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_xla_runs_the_exported_shardings_to_our_numbers(answers, case):
-    ans = answers[case]
+@pytest.mark.parametrize("case", _grouped(CASES))
+def test_xla_runs_the_exported_shardings_to_our_numbers(case):
+    ans = _answer(case)
     assert "error" not in ans, ans.get("error")
     failing = {k: v for k, v in ans["diffs"].items() if v["worst_ratio"] > 1}
     assert ans["verified"], (ans["criterion"], ans.get("normwise"), ans.get("xla_verdict"), failing)
@@ -164,10 +175,11 @@ def test_xla_runs_the_exported_shardings_to_our_numbers(answers, case):
         assert "('pod', 'batch'" in specs          # pod major, batch minor (then maybe model)
 
 
-def test_bf16_is_judged_normwise(answers):
+@pytest.mark.parametrize("case", _grouped([c for c in CASES if c[3] == "precision=bf16"]))
+def test_bf16_is_judged_normwise(case):
     """The normwise path runs end to end: bfloat16 compute rounds at 2^-8, far above the elementwise
     tolerance, so the bf16 cases reach it (and passed it, above)."""
-    assert {ans.get("criterion") for case, ans in answers.items() if case[3] == "precision=bf16"} == {"normwise"}
+    assert _answer(case).get("criterion") == "normwise"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] == "layers_as=loop" or "emb+" in c[1] and c[2] == MESH3],
@@ -183,15 +195,15 @@ def test_exported_specs_round_trip_through_from_partition_specs(case):
 
 
 @functools.cache
-def _mlp_references() -> tuple[Experiment, list, list]:
+def _mlp_references() -> tuple[Experiment, References]:
     exp = Experiment("mlp", "bp", Mesh(batch=1))
-    return (exp, *exp.references(exp.inputs()))
+    return exp, exp.references(exp.inputs())
 
 
 @pytest.mark.parametrize("change,criterion,verified", [
     (None, "elementwise", True),
-    ("one element 1.5x over the elementwise tolerance", "normwise", True),    # rounding-sized: a flip
-    ("one element 5x over the elementwise tolerance", "normwise", False),
+    ("the element correct runs move most, moved as one of them moves it", "normwise", True),   # a flip
+    ("the largest weight element off by 1e-3 of its value", "normwise", False),
     ("loss off by 1e-3", "normwise", False),
     ("a weight halved", "normwise", False),
     ("an output missing", "shape", False),
@@ -199,14 +211,22 @@ def _mlp_references() -> tuple[Experiment, list, list]:
 def test_the_comparison_passes_rounding_and_fails_wrong_numbers(change, criterion, verified):
     """The child's criterion on real step outputs (the MLP's, from jax.jit in this process, standing
     in for ours) and changed copies standing in for XLA's."""
-    exp, base, ref64 = _mlp_references()
-    ours = [np.asarray(x) for x in base]
+    exp, refs = _mlp_references()
+    ours = [np.asarray(x) for x in refs.jit]
     res = [x.copy() for x in ours]
     w = max(range(len(res)), key=lambda i: res[i].size)          # the largest new weight
     j = int(np.argmax(np.abs(res[w])))
-    tol = ATOL + RTOL * abs(float(res[w].flat[j]))
-    if change and change.startswith("one element"):
-        res[w].flat[j] += float(change.split()[2].rstrip("x")) * tol
+    if change and change.startswith("the element correct runs move"):
+        # where rounding alone moves an element by more than the elementwise tolerance (Adam on a
+        # gradient within rounding of zero), XLA may land where another correct order lands
+        moved = [(float((np.abs(o[i].astype(np.float64) - refs.ref64[i]) / (ATOL + RTOL * np.abs(refs.ref64[i]))).max()),
+                  i, k) for k, o in enumerate(refs.others) for i in range(len(ours)) if ours[i].dtype.kind == "f"]
+        ratio, i, k = max(moved)
+        assert ratio > 2, f"no element of the MLP step moves beyond the elementwise tolerance in other orders ({ratio})"
+        e = int(np.argmax(np.abs(refs.others[k][i].astype(np.float64) - refs.ref64[i])))
+        res[i].flat[e] = refs.others[k][i].flat[e]
+    elif change == "the largest weight element off by 1e-3 of its value":
+        res[w].flat[j] *= np.float32(1.001)
     elif change == "loss off by 1e-3":
         res[0] = res[0] * np.float32(1.001)
     elif change == "a weight halved":
@@ -214,7 +234,7 @@ def test_the_comparison_passes_rounding_and_fails_wrong_numbers(change, criterio
     elif change == "an output missing":
         res = res[:-1]
     names = [str(i) for i in range(len(ours))]
-    got = compare_outputs(names, ours, res, lambda: (base, ref64), exp.program)
+    got = compare_outputs(names, ours, res, lambda: refs, exp.program)
     assert (got["criterion"], got["verified"]) == (criterion, verified), got.get("normwise")
 
 

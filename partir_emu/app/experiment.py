@@ -25,13 +25,22 @@ from typing import Any
 import numpy as np
 
 from partir_emu.api import Lowered, lower_program, trace
-from partir_emu.app.verdict import UNIT_ROUNDOFF, Verdict, compute_precision, judge, judge_strict, reduction_length
+from partir_emu.app.verdict import (
+    UNIT_ROUNDOFF,
+    References,
+    Verdict,
+    compute_precision,
+    judge_references,
+    judge_strict,
+    reduction_length,
+)
 from partir_emu.core.dtypes import array_files, restored
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError
 from partir_emu.runtime.local_mesh import LocalMesh
+from partir_emu.runtime.rounding import other_orders
 from scenarios import get_scenario
 
 RTOL = 1e-5
@@ -122,23 +131,32 @@ class Experiment:
             out = (self.high_precision_step if x64 else self.jitted_step)(*args)
             return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
 
-    def references(self, inputs: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """``(jax.jit outputs, float64 outputs)`` of the unpartitioned step on ``inputs``."""
-        return self.reference(inputs), self.reference(inputs, x64=True)
+    def references(self, inputs: Sequence[np.ndarray]) -> References:
+        """What a run on ``inputs`` is judged against (:class:`~partir_emu.app.verdict.References`):
+        the unpartitioned step by ``jax.jit``, in float64, and (unless the strict check needs only
+        ``jax.jit``) the unpartitioned program in other summation orders."""
+        jit, ref64 = self.reference(inputs), self.reference(inputs, x64=True)
+        if self._strict_elementwise:
+            return References(jit, ref64)
+        return References(jit, ref64, tuple(other_orders(self.program, inputs)))
+
+    @property
+    def _strict_elementwise(self) -> bool:
+        """The strict check on a program that computes in float32 or better: elementwise vs jax.jit."""
+        return self.strict and UNIT_ROUNDOFF[compute_precision(self.program)] <= UNIT_ROUNDOFF["float32"]
 
     def check(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray], names: Sequence[str],
-              refs: tuple[list[np.ndarray], list[np.ndarray]] | None = None) -> Verdict:
+              refs: References | None = None) -> Verdict:
         """The verdict on a run's global outputs (see :mod:`partir_emu.app.verdict`); ``refs`` from
         :meth:`references` when they were computed earlier (e.g. while MPI ranks started)."""
-        base, ref64 = refs if refs is not None else self.references(inputs)
+        refs = refs if refs is not None else self.references(inputs)
+        if self._strict_elementwise:
+            return judge_strict(outputs, refs.jit, names)
         precision = compute_precision(self.program)
-        low = UNIT_ROUNDOFF[precision] > UNIT_ROUNDOFF["float32"]
-        if self.strict and not low:
-            return judge_strict(outputs, base, names)
-        ver = judge(outputs, base, ref64, names, reduction_length(self.program), precision=precision)
+        ver = judge_references(outputs, refs, names, reduction_length(self.program), precision=precision)
         if self.strict:   # rtol 1e-5 elementwise is below bfloat16's resolution (2^-8): normwise instead
-            return dataclasses.replace(ver, criterion=f"normwise vs float64, relative to jax.jit (--strict on a "
-                                                      f"{precision} program: loss and gradients)")
+            return dataclasses.replace(ver, criterion=f"{ver.criterion} (--strict on a {precision} program: "
+                                                      f"loss and gradients)")
         return ver
 
 
@@ -178,17 +196,17 @@ def verify(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray], names
     return Verification(ok, max_abs, max_rel, worst)
 
 
-def run_local(exp: Experiment, algorithm: str = "ring", lowered: Lowered | None = None) -> dict:
-    """Run on the in-process mesh, verify against jax.jit, return the JSON report."""
+def run_local(exp: Experiment, algorithm: str = "ring", lowered: Lowered | None = None, kernels: str = "blas") -> dict:
+    """Run on the in-process mesh (``kernels``: the matmul kernel), verify, return the JSON report."""
     t0 = time.perf_counter()
     low = lowered or exp.lower()
     t1 = time.perf_counter()
     inputs = exp.inputs(low.spmd.input_names)
-    res = LocalMesh(exp.mesh, algorithm=algorithm).run(low.spmd, inputs)
+    res = LocalMesh(exp.mesh, algorithm=algorithm, kernels=kernels).run(low.spmd, inputs)
     t2 = time.perf_counter()
     ver = exp.check(res.outputs, inputs, low.spmd.output_names)
     return report(exp, low.spmd, "local", ver, res.peak_bytes_per_device, wall_s=time.perf_counter() - t0,
-                  extra={"lower_s": t1 - t0, "step_s": t2 - t1, "algorithm": algorithm})
+                  extra={"lower_s": t1 - t0, "step_s": t2 - t1, "algorithm": algorithm, "kernels": kernels})
 
 
 def report(exp: Experiment, spmd: SpmdProgram, backend: str, ver: Verdict, peak: Sequence[int], wall_s: float,

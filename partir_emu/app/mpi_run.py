@@ -175,7 +175,7 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
             spmd.save(Path(tmp) / "program.json")
             save_inputs(Path(tmp) / "inputs.npz", spmd.input_names, inputs)
             job = {"program": str(Path(tmp) / "program.json"), "inputs": str(Path(tmp) / "inputs.npz"),
-                   "algorithm": algorithm, "devices_per_rank": k, "trace": trace}
+                   "algorithm": algorithm, "kernels": args.kernels, "devices_per_rank": k, "trace": trace}
             run = MpiRun([job], n // k, timeout_s=args.timeout, workdir=tmp)
             try:
                 announce("launch, step (and the references meanwhile)")
@@ -194,7 +194,7 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
     announce("verify")
     ver = exp.check(res["outputs"], inputs, spmd.output_names, refs)
     return report(exp, spmd, "mpi", ver, st["peak_bytes_per_device"], time.perf_counter() - t0, extra={
-        "ranks": st["ranks"], "devices_per_rank": k, "algorithm": algorithm, "lower_s": lower_s,
+        "ranks": st["ranks"], "devices_per_rank": k, "algorithm": algorithm, "kernels": st["kernels"], "lower_s": lower_s,
         "launch_s": max(st["ready_wall"]) - run.start_wall, "reference_s": ref_s, **_run_stats(st),
         "launcher_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "trace_messages": trace})
 
@@ -224,7 +224,7 @@ def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
     with guard:
         inputs = (load_inputs_npz(args.inputs, spmd.input_names) if args.inputs else
                   numpy_inputs(exp.scenario_name, exp.preset, exp.overrides, exp.seed))
-        job = {"algorithm": algorithm, "devices_per_rank": k, "trace": args.trace_messages}
+        job = {"algorithm": algorithm, "kernels": args.kernels, "devices_per_rank": k, "trace": args.trace_messages}
         res = worker.run_job(comm, spmd, job, guard, inputs=inputs, timeout_s=args.timeout)
     guard.close()
     if rank != 0:
@@ -238,6 +238,6 @@ def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
         raise
     ver = exp.check(res["outputs"], inputs, spmd.output_names, refs)
     return report(exp, spmd, "mpi", ver, st["peak_bytes_per_device"], time.perf_counter() - t0, extra={
-        "ranks": nranks, "devices_per_rank": k, "algorithm": algorithm, "lower_s": lower_s,
+        "ranks": nranks, "devices_per_rank": k, "algorithm": algorithm, "kernels": st["kernels"], "lower_s": lower_s,
         "launch_s": max(st["ready_wall"]) - min(st["start_wall"]), **_run_stats(st),
         "jax_imported_by_rank": st["jax_imported"], "trace_messages": args.trace_messages})

@@ -15,7 +15,12 @@ A :class:`Primitive` holds every facet of one primitive that some layer needs:
                 (None: the parameters do not spell out sizes);
 ``traceable``   whether ``compiler.trace`` accepts it from a jaxpr;
 ``communicates``whether it moves data between devices (the collectives that the
-                runtime and the hardware models handle themselves).
+                runtime and the hardware models handle themselves);
+``summands``    for a primitive that sums (contractions, reductions, scatter-add, ...), the
+                operand positions whose elements are the terms of its sums or their factors:
+                its ``impl`` is linear in each of them, so ``impl`` of their squares is the sum
+                of the squared terms per result element (the verdict's rounding model,
+                :mod:`partir_emu.runtime.rounding`). Empty for everything else.
 
 The entries are defined in :mod:`partir_emu.primitives`, one module per family; importing
 that package fills the registry (so consumers read it through the names that package
@@ -53,6 +58,7 @@ class Primitive:
     localize: LocalizeFn | None = None
     traceable: bool = True
     communicates: bool = False
+    summands: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -62,6 +62,7 @@ from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
 from partir_emu.errors import EmulationError
 from partir_emu.primitives._costs import Cost, elems, in_bytes, out_bytes
+from partir_emu.primitives.matmul import matmul
 from partir_emu.primitives.window import HaloDim, halo_split, split_dims, window_view
 
 
@@ -165,7 +166,7 @@ def _conv(lhs: np.ndarray, rhs: np.ndarray, *, window_strides: Sequence[int], pa
     kk = tuple(range(4 + nsp, 4 + 2 * nsp))
     cols = np.transpose(patches, (0, 2, 1, *sp, 3, *kk)).reshape(groups, (N // B) * math.prod(osp), -1)
     mat = w.reshape(groups, n_out // groups, -1).transpose(0, 2, 1)
-    res = np.matmul(cols, mat)         # (groups, N/B · out_spatial, O/groups)
+    res = matmul(cols, mat)         # (groups, N/B · out_spatial, O/groups)
     res = res.reshape(groups, N // B, *osp, n_out // groups)
     res = np.moveaxis(res, (0, 1, 2 + nsp), (1, 0, 2)).reshape(N // B, n_out, *osp)
     return np.transpose(res, np.argsort(os_))
@@ -200,4 +201,4 @@ def conv_localize(e: Eqn, ins: Sequence[Any], outs: Sequence[Any]) -> dict:
 
 
 register(Primitive("conv_general_dilated", kind="matmul", rule=conv_rule, impl=_conv, cost=conv_cost,
-                   localize=conv_localize))
+                   localize=conv_localize, summands=(0, 1)))

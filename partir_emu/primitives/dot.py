@@ -17,6 +17,7 @@ from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
 from partir_emu.primitives._costs import Cost, in_bytes, out_bytes
+from partir_emu.primitives.matmul import matmul
 
 
 def dot_general_rule(eqn: Eqn) -> FactorRule:
@@ -63,9 +64,9 @@ def _dot_general(lhs: np.ndarray, rhs: np.ndarray, *, dimension_numbers: Any,
     elif is_low_float(lt.dtype) or is_low_float(rt.dtype):
         # as XLA CPU: products summed in float32 (BLAS), rounded once to the output dtype by the
         # interpreter; numpy's own bfloat16 matmul has no BLAS and is orders of magnitude slower
-        out = np.matmul(lt.astype(np.float32), rt.astype(np.float32))
+        out = matmul(lt.astype(np.float32), rt.astype(np.float32))
     else:
-        out = np.matmul(lt, rt)
+        out = matmul(lt, rt)
     return out.reshape((*bshape, *lfs, *rfs))
 
 
@@ -79,4 +80,5 @@ def dot_general_cost(e: Eqn) -> Cost:
     return float(2 * batch * m * n * k), float(in_bytes(e) + out_bytes(e))
 
 
-register(Primitive("dot_general", kind="matmul", rule=dot_general_rule, impl=_dot_general, cost=dot_general_cost))
+register(Primitive("dot_general", kind="matmul", rule=dot_general_rule, impl=_dot_general, cost=dot_general_cost,
+                   summands=(0, 1)))

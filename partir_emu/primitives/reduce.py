@@ -137,7 +137,8 @@ _RULE_AND_IMPL: dict[str, tuple[Callable[[Eqn], FactorRule], Callable[..., Any]]
     "cummax": (scan_rule, _cumulative(lambda x, a: np.maximum.accumulate(x, axis=a))),
     "cummin": (scan_rule, _cumulative(lambda x, a: np.minimum.accumulate(x, axis=a))),
 }
-register(*(Primitive(name, kind="reduction", rule=rule, impl=impl, cost=reduction_cost)
+register(*(Primitive(name, kind="reduction", rule=rule, impl=impl, cost=reduction_cost,
+                     summands=(0,) if name in ("reduce_sum", "cumsum") else ())
            for name, (rule, impl) in _RULE_AND_IMPL.items()))
 
 

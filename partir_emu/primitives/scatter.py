@@ -134,5 +134,5 @@ _COMBINE: dict[str, Combine] = {
     "scatter-min": np.minimum.at,
     "scatter-max": np.maximum.at,
 }
-register(*(Primitive(name, kind="memory", rule=scatter_rule, impl=_scatter(c), cost=scatter_cost)
-           for name, c in _COMBINE.items()))
+register(*(Primitive(name, kind="memory", rule=scatter_rule, impl=_scatter(c), cost=scatter_cost,
+                     summands=(0, 2) if name == "scatter-add" else ()) for name, c in _COMBINE.items()))

@@ -278,6 +278,6 @@ def select_and_scatter_add_cost(e: Eqn) -> Cost:
 
 
 register(*(Primitive(f"reduce_window_{op}", kind="reduction", rule=reduce_window_rule, impl=_reduce_window(op),
-                     cost=reduce_window_cost) for op in ("sum", "max", "min")),
+                     cost=reduce_window_cost, summands=(0,) if op == "sum" else ()) for op in ("sum", "max", "min")),
          Primitive("select_and_scatter_add", kind="reduction", rule=select_and_scatter_add_rule,
-                   impl=_select_and_scatter_add, cost=select_and_scatter_add_cost))
+                   impl=_select_and_scatter_add, cost=select_and_scatter_add_cost, summands=(0,)))

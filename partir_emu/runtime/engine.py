@@ -59,6 +59,7 @@ from partir_emu.runtime.interpreter import (
     output_value,
     put_rows,
 )
+from partir_emu.runtime.kernels import kernels as numerics
 
 Collective = Callable[[Eqn, dict[int, np.ndarray]], dict[int, np.ndarray]]
 
@@ -84,8 +85,9 @@ class Position:
 
 
 def run_spmd(spmd: SpmdProgram, devices: Sequence[int], local_inputs: Mapping[int, Sequence[np.ndarray]],
-             collective: Collective, position: Position | None = None) -> EngineResult:
-    """Run ``spmd`` in lockstep on ``devices``, from each device's local input blocks.
+             collective: Collective, position: Position | None = None, *, kernels: str = "blas") -> EngineResult:
+    """Run ``spmd`` in lockstep on ``devices``, from each device's local input blocks, under
+    :func:`partir_emu.runtime.kernels.kernels` (``kernels``: ``"blas"`` or ``"exact"``).
     ``position`` (optional) is kept up to date while it runs (see :class:`Position`)."""
     prog = spmd.program
     devices = list(devices)
@@ -94,7 +96,8 @@ def run_spmd(spmd: SpmdProgram, devices: Sequence[int], local_inputs: Mapping[in
         raise ArgumentError(f"no local inputs for devices {missing}")
     args = {d: check_inputs(prog, local_inputs[d], f"SPMD program (device {d}, local blocks)") for d in devices}
     run = _Lockstep(spmd.mesh, devices, collective, position if position is not None else Position())
-    results, peak = run._run_block(prog, args)
+    with numerics(kernels):
+        results, peak = run._run_block(prog, args)
     outputs = {d: [output_value(x) for x in results[d]] for d in devices}
     return EngineResult(outputs, peak)
 

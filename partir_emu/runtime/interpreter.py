@@ -24,7 +24,7 @@ This module never imports jax.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,9 @@ from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.loops import LOOP, iteration_order, parts
 from partir_emu.errors import ArgumentError, EmulationError, UnsupportedPrimitiveError
 from partir_emu.primitives import get
+from partir_emu.runtime.kernels import kernels as numerics
+
+Step = Callable[[Eqn, Sequence[Any]], list[Any]]     # runs one equation on its read operands
 
 
 def literal_value(lit: Literal, weak: bool) -> Any:
@@ -98,13 +101,18 @@ def check_inputs(program: Program, inputs: Sequence[Any], what: str = "program")
     return out
 
 
-def eval_program(program: Program, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Evaluate a single-device program (no collectives; loops run) on numpy inputs."""
-    return [output_value(x) for x in eval_body(program, check_inputs(program, inputs))]
+def eval_program(program: Program, inputs: Sequence[np.ndarray], *, kernels: str = "blas") -> list[np.ndarray]:
+    """Evaluate a single-device program (no collectives; loops run) on numpy inputs, under
+    :func:`partir_emu.runtime.kernels.kernels` as the meshes run theirs."""
+    args = check_inputs(program, inputs)
+    with numerics(kernels):
+        return [output_value(x) for x in eval_body(program, args)]
 
 
-def eval_body(program: Program, args: Sequence[Any]) -> list[Any]:
-    """``program``'s results on ``args`` (arrays, or ``Literal`` where a loop passes one), unchecked."""
+def eval_body(program: Program, args: Sequence[Any], step: Step | None = None) -> list[Any]:
+    """``program``'s results on ``args`` (arrays, or ``Literal`` where a loop passes one), unchecked.
+    ``step`` runs one equation (default :func:`eval_eqn`); a loop's body runs by the same ``step``."""
+    run = step or eval_eqn
     env: dict[Var, Any] = {}
 
     def read(a: Atom) -> Any:
@@ -114,7 +122,7 @@ def eval_body(program: Program, args: Sequence[Any]) -> list[Any]:
     for v, c in program.consts:
         env[v] = np.asarray(c)
     for eqn in program.eqns:
-        env.update(zip(eqn.outputs, eval_eqn(eqn, [read(a) for a in eqn.inputs])))
+        env.update(zip(eqn.outputs, run(eqn, [read(a) for a in eqn.inputs])))
     return [read(o) for o in program.outputs]
 
 
@@ -137,13 +145,13 @@ def loop_args(eqn: Eqn, operands: Sequence[Any]) -> tuple[list[Any], list[Any], 
     return list(operands[:nc]), list(operands[nc:nc + nk]), list(operands[nc + nk:])
 
 
-def eval_loop(eqn: Eqn, operands: Sequence[Any]) -> list[Any]:
-    """Run a ``loop`` equation: carry_out and the stacked ys."""
+def eval_loop(eqn: Eqn, operands: Sequence[Any], step: Step | None = None) -> list[Any]:
+    """Run a ``loop`` equation: carry_out and the stacked ys (its body's equations by ``step``)."""
     body, nk = eqn.params["body"], int(eqn.params["num_carry"])
     consts, carry, xs = loop_args(eqn, operands)
     ys = new_ys(eqn)
     for i in iteration_order(eqn):
-        outs = eval_body(body, [*consts, *carry, *(x[i] for x in xs)])
+        outs = eval_body(body, [*consts, *carry, *(x[i] for x in xs)], step)
         carry = outs[:nk]
         put_rows(ys, i, outs[nk:])
     return [*carry, *ys]

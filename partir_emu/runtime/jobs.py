@@ -7,6 +7,7 @@ A JOB is::
     {"program": "FILE.json",           # SpmdProgram.save() output; its mesh has R*k devices
      "inputs": "FILE.npz",             # global inputs, keys = the program's input names
      "algorithm": "ring", "devices_per_rank": k, "devices_per_node": null,
+     "kernels": "blas" | "exact",      # the matmul kernel (partir_emu.runtime.kernels); default blas
      "out": "DIR",                     # rank 0 writes DIR/outputs.npz and DIR/stats.json
      "trace": "FILE.jsonl" | null}     # message trace (partir_emu.core.msgtrace)
 
@@ -21,7 +22,7 @@ one), so a rank reads arrays and never imports a model. Each rank cuts its devic
 ``peak_bytes_per_device`` (list by device), ``rss_bytes`` (each rank's max RSS),
 ``ready_wall`` (each rank's ``time.time()`` when its inputs were ready), ``start_wall`` (each
 rank's start), ``step_s`` (the step between two barriers, on rank 0), ``setup_s``,
-``gather_s``, ``ranks``, ``devices_per_rank``, ``algorithm``, ``jax_imported`` (per rank: was
+``gather_s``, ``ranks``, ``devices_per_rank``, ``algorithm``, ``kernels``, ``jax_imported`` (per rank: was
 ``jax`` in ``sys.modules`` at the end — the tests hold it False).
 """
 from __future__ import annotations

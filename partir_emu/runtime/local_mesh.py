@@ -14,7 +14,9 @@ is moved to the front so that its blocks are contiguous; the mesh's
 :class:`~partir_emu.collectives.local.LocalExecutor` keeps each schedule's plan.
 ``algorithm='direct'`` applies the plain numpy meaning instead
 (:func:`partir_emu.collectives.semantics.reference`: concatenate / reduce in
-group order).
+group order). ``kernels`` (``"blas"`` or ``"exact"``, :mod:`partir_emu.runtime.kernels`) is the
+matmul kernel; the MPI ranks run the same one, on one BLAS thread, so the two meshes compute
+bit-identical results on any CPU.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram, permute_pairs
 from partir_emu.errors import ArgumentError, CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import run_spmd
+from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.layout import collective_dims, flatten_operand, restore_result, shard, unshard
 
 
@@ -47,12 +50,14 @@ class RunResult:
 class LocalMesh:
     """Run SPMD programs on all devices of ``mesh`` inside this process."""
 
-    def __init__(self, mesh: Mesh, algorithm: str = "ring", *, devices_per_node: int | None = None) -> None:
+    def __init__(self, mesh: Mesh, algorithm: str = "ring", *, devices_per_node: int | None = None,
+                 kernels: str = "blas") -> None:
         if algorithm != "direct" and algorithm not in ALGORITHMS:
             raise CollectiveError(f"unknown collective algorithm {algorithm!r}; use 'direct' or one of {ALGORITHMS}")
         self.mesh = mesh
         self.algorithm = algorithm
         self.devices_per_node = devices_per_node
+        self.kernels = check_kernels(kernels)   # the matmul kernel (runtime/kernels.py)
         self.executor = LocalExecutor()  # keeps the plan of each schedule run (the same one for every group)
 
     def run(self, spmd: SpmdProgram, global_inputs: Sequence[Any]) -> RunResult:
@@ -64,7 +69,7 @@ class LocalMesh:
         arrays = check_global_inputs(spmd, global_inputs)
         local = {d: [shard(x, s, mesh, d, name) for x, s, name in zip(arrays, spmd.in_shardings, spmd.input_names)]
                  for d in range(mesh.size)}
-        res = run_spmd(spmd, range(mesh.size), local, self._collective)
+        res = run_spmd(spmd, range(mesh.size), local, self._collective, kernels=self.kernels)
         outputs = [unshard([res.outputs[d][k] for d in range(mesh.size)], s, mesh, name)
                    for k, (s, name) in enumerate(zip(spmd.out_shardings, spmd.output_names))]
         for out, name, shape in zip(outputs, spmd.output_names, spmd.global_out_shapes):

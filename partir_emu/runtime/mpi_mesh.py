@@ -75,6 +75,7 @@ from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, permute_pairs
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
 from partir_emu.runtime.engine import EngineResult, Position, run_spmd
 from partir_emu.runtime.jobs import MPI_ALGORITHMS
+from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.layout import block_slices, collective_dims, flatten_operand, restore_result, shard
 from partir_emu.runtime.progress import OpContext, describe_op
 
@@ -149,7 +150,7 @@ class MpiMesh:
     def __init__(self, comm: MPI.Intracomm, mesh: Mesh, devices_per_rank: int, algorithm: str = "ring", *,
                  devices_per_node: int | None = None, check: bool = True, timeout_s: float | None = 300.0,
                  trace: bool = False, progress: Callable[[OpContext], None] | None = None,
-                 fault: FaultSpec | None = None) -> None:
+                 fault: FaultSpec | None = None, kernels: str = "blas") -> None:
         if algorithm not in MPI_ALGORITHMS:
             raise CollectiveError(f"unknown collective algorithm {algorithm!r} for the MPI mesh; "
                                   f"use one of {MPI_ALGORITHMS}")
@@ -165,6 +166,7 @@ class MpiMesh:
         self.devices_per_node, self.check, self.timeout_s = devices_per_node, check, timeout_s
         self.tracing = trace
         self.progress, self.fault = progress, fault
+        self.kernels = check_kernels(kernels)
         self.context = OpContext(devices=self.devices)
         self.collectives = MpiCollectives(comm)  # keeps plans, buffers and sub-communicators until close()
         self._groups: dict[tuple[str, ...], list[list[int]]] = {}
@@ -220,7 +222,7 @@ class MpiMesh:
         if self.tracing and has_loops(spmd.program):     # the trace numbers each executed collective
             self._coll_ids = [i for i, e in enumerate(unroll(spmd.program).eqns) if e.prim in COMM_PRIMS]
         self._seq = 0
-        return run_spmd(spmd, self.devices, local_inputs, self._collective, self._position)
+        return run_spmd(spmd, self.devices, local_inputs, self._collective, self._position, kernels=self.kernels)
 
     def gather_outputs(self, spmd: SpmdProgram, result: EngineResult) -> tuple[list[np.ndarray] | None, list[int] | None]:
         """Global outputs and per-device peak bytes on rank 0 (``(None, None)`` elsewhere).

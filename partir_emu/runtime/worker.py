@@ -284,7 +284,7 @@ def run_job(comm: MPI.Intracomm, spmd: SpmdProgram, job: dict, guard: RankGuard,
     guard.set_phase("inputs")
     mesh = MpiMesh(comm, spmd.mesh, k, job.get("algorithm") or "ring", devices_per_node=job.get("devices_per_node"),
                    timeout_s=timeout_s, trace=bool(job.get("trace")), progress=guard.on_op,
-                   fault=FaultSpec.parse(os.environ.get(FAULT_ENV)))
+                   fault=FaultSpec.parse(os.environ.get(FAULT_ENV)), kernels=job.get("kernels") or "blas")
     guard.mesh = mesh
     try:
         if inputs is None:
@@ -315,7 +315,7 @@ def run_job(comm: MPI.Intracomm, spmd: SpmdProgram, job: dict, guard: RankGuard,
     guard.mesh = None      # kept on failure: the guard names the op
     if rank != 0:
         return None
-    stats = {"ranks": nranks, "devices_per_rank": k, "algorithm": mesh.algorithm,
+    stats = {"ranks": nranks, "devices_per_rank": k, "algorithm": mesh.algorithm, "kernels": mesh.kernels,
              "peak_bytes_per_device": peaks, **per_rank, "step_s": step_s, "setup_s": setup_s, "gather_s": gather_s}
     if rows is not None:
         head = trace_header(spmd, ranks=nranks, devices_per_rank=k, algorithm=mesh.algorithm,

@@ -23,7 +23,6 @@ import tempfile
 import pytest
 
 from partir_emu.core.mesh import Mesh
-from partir_emu.errors import ScenarioError
 from scenarios import get_scenario
 from tests.mpi.conftest import bit_equal, lowered
 
@@ -37,22 +36,11 @@ SCENARIOS = (("unet", None, None), ("gns", None, None), ("inference", "phase=pre
                                                                          "bp+auto")))
 
 
-def _mesh_for(scenario: str, strategy: str) -> str:
-    sc = get_scenario(scenario)
-    for mesh in MESHES:
-        try:
-            sc.strategy(strategy, Mesh.parse(mesh), sc.config())
-        except ScenarioError:
-            continue
-        return mesh
-    raise AssertionError(f"no 4-device mesh of {MESHES} carries {scenario} {strategy}")
-
-
 def _cases() -> list[tuple[str, str | None, str, str]]:
     out = []
     for scenario, overrides, only in SCENARIOS:
         for st in only or sorted(get_scenario(scenario).strategies):
-            out.append((scenario, overrides, st, _mesh_for(scenario, st)))
+            out.append((scenario, overrides, st, get_scenario(scenario).first_mesh(st, MESHES)))
     return out
 
 
@@ -97,8 +85,10 @@ def test_every_zoo_strategy_is_covered():
     assert sum(st == "bp+auto" for _, _, st, _ in CASES) == len(SCENARIOS)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("case", CASES, ids=_id)
+# one xdist group per launch (scenario, size, layout): one worker launches it and runs all its cases
+@pytest.mark.parametrize("config,case", [pytest.param(cfg, c, id=f"{_id(c)}-{cfg}",
+                                                      marks=pytest.mark.xdist_group(f"zoo-{c[0]}-{c[1]}-{cfg}"))
+                                         for c in CASES for cfg in CONFIGS])
 def test_zoo_strategy_over_mpi_equals_jax_and_local_mesh(config, case):
     from partir_emu.runtime.local_mesh import LocalMesh
     scenario, overrides, strategy, mesh = case
@@ -111,3 +101,22 @@ def test_zoo_strategy_over_mpi_equals_jax_and_local_mesh(config, case):
     for name, a, b in zip(spmd.output_names, res["outputs"], loc.outputs):
         assert bit_equal(a, b), f"{name}: MPI ({config}) and LocalMesh differ ({case})"
     assert not any(res["stats"]["jax_imported"]), "an MPI rank imported jax"
+
+
+def test_exact_kernels_over_mpi_equal_the_local_mesh():
+    """A job's ``kernels: exact`` reaches the ranks: the U-Net with its image rows tiled runs the
+    fixed-order matmul there as here, bit for bit (and says so in its stats)."""
+    from partir_emu.app.mpi_run import launch
+    from partir_emu.runtime.local_mesh import LocalMesh
+    exp, spmd = lowered("unet", "spatial", "spatial=4")
+    tmp = tempfile.mkdtemp(prefix="partir-emu-zoo-exact-")
+    atexit.register(shutil.rmtree, tmp, True)
+    prog = os.path.join(tmp, "program.json")
+    spmd.save(prog)
+    job = {"program": prog, "scenario": "unet", "preset": None, "overrides": None, "seed": 0, "algorithm": "ring",
+           "devices_per_rank": 2, "kernels": "exact", "out": os.path.join(tmp, "out")}
+    (res,) = launch([job], 2, timeout_s=LAUNCH_TIMEOUT, workdir=tmp)
+    assert res["stats"]["kernels"] == "exact"
+    loc = LocalMesh(exp.mesh, "ring", kernels="exact").run(spmd, exp.inputs())
+    for name, a, b in zip(spmd.output_names, res["outputs"], loc.outputs):
+        assert bit_equal(a, b), f"{name}: MPI and LocalMesh differ with the exact kernel"
