@@ -95,6 +95,9 @@ class SearchResult:
         ratio = f"{self.baseline / self.cost:.3g}x" if self.cost > 0 else "-"
         lim = f"; memory limit {_bytes(self.memory_limit)}" if self.memory_limit else ""
         fit = "" if self.fits else " (NO candidate fits the memory limit: the least overflow was kept)"
+        if self.stopped == "time":
+            fit += ("\n  (the time limit stopped the search: this result depends on the machine's speed and load and "
+                    "is not reproducible; raise seconds or lower the budget)")
         head = (f"{label}: {len(self.decisions)} decision(s) after {self.evaluations} evaluations of "
                 f"{self.candidates} strategies, {self.nodes} tree nodes, {self.seconds:.2f} s (stopped: "
                 f"{self.stopped}{lim})")
@@ -136,8 +139,9 @@ def options(state: ShardingState, tactic: AutomaticPartition) -> dict[str, list[
 def _check(tactic: AutomaticPartition) -> None:
     if not (isinstance(tactic.budget, int) and tactic.budget >= 1):
         raise TacticError(f"{tactic.describe()}: budget={tactic.budget!r}; give a positive number of evaluations")
-    if not tactic.seconds > 0:
-        raise TacticError(f"{tactic.describe()}: seconds={tactic.seconds!r}; give a positive time budget")
+    if tactic.seconds is not None and not tactic.seconds > 0:
+        raise TacticError(f"{tactic.describe()}: seconds={tactic.seconds!r}; give a positive time limit, or None "
+                          "(the default: the budget of evaluations alone stops the search, reproducibly)")
     if not (isinstance(tactic.rollouts, int) and tactic.rollouts >= 0):
         raise TacticError(f"{tactic.describe()}: rollouts={tactic.rollouts!r}; give 0 or more")
     if not (isinstance(tactic.polish, int) and tactic.polish >= 0):

@@ -280,7 +280,8 @@ class Mcts:
 def run_search(ev: Evaluator, tactic: AutomaticPartition) -> Outcome:
     """Search until the budget, the time or the tree runs out; the best candidate and the others."""
     t0 = time.perf_counter()
-    mcts = Mcts(ev, tactic.seed, tactic.rollouts, t0 + tactic.seconds, tactic.budget)
+    deadline = math.inf if tactic.seconds is None else t0 + tactic.seconds    # a safety net only (tactics.py)
+    mcts = Mcts(ev, tactic.seed, tactic.rollouts, deadline, tactic.budget)
     root = mcts.node({}, 0)
     baseline = root.value
     if baseline.price is None:
@@ -292,7 +293,7 @@ def run_search(ev: Evaluator, tactic: AutomaticPartition) -> Outcome:
         if ev.evaluations >= tactic.budget:
             stopped = "budget"
             break
-        if time.perf_counter() - t0 >= tactic.seconds:
+        if time.perf_counter() >= deadline:
             stopped = "time"
             break
         mcts.iterate(root)
@@ -301,7 +302,7 @@ def run_search(ev: Evaluator, tactic: AutomaticPartition) -> Outcome:
         if better(c, best):
             best = c
     if tactic.polish > 0 and stopped != "exhausted":
-        best = polish(ev, best, ev.evaluations + tactic.polish, t0 + tactic.seconds)
+        best = polish(ev, best, ev.evaluations + tactic.polish, deadline)
     cands = sorted({id(c): c for c, _ in ev.by_decisions.values()}.values(), key=lambda c: c.order)
     priced = [c for c in cands if c.price is not None]
     return Outcome(best, baseline, priced, ev.evaluations, time.perf_counter() - t0, mcts.nodes, stopped)

@@ -85,17 +85,19 @@ class AutomaticPartition:
     """Search the decisions a ManualPartition on ``axis`` would make for the ``inputs`` patterns
     (see :mod:`partir_emu.compiler.auto`), pricing each candidate with ``cost``, or else with the
     cost model the caller of ``partition``/``lower_program`` passes. The search stops after
-    ``budget`` evaluations or ``seconds``; ``rollouts`` random completions are priced per new node
-    besides the node itself, drawn from ``seed``; then up to ``polish`` more evaluations drop one
-    decision of the best at a time while that is cheaper; ``memory_limit`` is bytes per device (None: the
-    cost model's capacity, e.g. the chip's HBM, when it reports one)."""
+    ``budget`` evaluations, a deterministic count, so the same call gives the same decisions on a
+    fast machine and a loaded one; ``seconds`` (default None: no limit) is only a safety net, and a
+    search it stops says so (``stopped: time``, not reproducible). ``rollouts`` random completions
+    are priced per new node besides the node itself, drawn from ``seed``; then up to ``polish`` more
+    evaluations drop one decision of the best at a time while that is cheaper; ``memory_limit`` is
+    bytes per device (None: the cost model's capacity, e.g. the chip's HBM, when it reports one)."""
 
     axis: str
     inputs: str | Sequence[str] = "params/*"
     name: str = ""
     hardware: str = "tpu-v4"          # read by the caller's cost model, not by the compiler
     budget: int = 48
-    seconds: float = 40.0
+    seconds: float | None = None
     seed: int = 0
     rollouts: int = 0
     polish: int = 16                  # evaluations of the local descent after the tree (compiler.auto_search)
