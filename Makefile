@@ -4,12 +4,16 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 JOBS ?= 2
 
-.PHONY: setup demo test test-fast lint typecheck bench clean
+.PHONY: setup demo test test-fast lint typecheck bench clean lock fresh-clone
 
-$(VENV)/.installed: pyproject.toml
+# The exact environment CI passed with (requirements.lock, see tools/lock.py); pyproject.toml keeps
+# the ranges for library users. --no-deps: nothing outside the lock is installed.
+$(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$$(grep '^pip==' requirements.lock)"
+	$(PY) -m pip install -q --no-deps -r requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) tools/lock.py check
 	touch $@
 
 setup: $(VENV)/.installed
@@ -22,16 +26,25 @@ demo: setup
 		--hardware tpu-v4 --top 5 --report reports/demo-simulate.json
 
 test: setup
-	$(PY) -m pytest -n $(JOBS) -q -p no:cacheprovider
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider
 
+# the quick tier: no MPI launches, no XLA child processes, no many-seed sweeps, nothing slow (< 3 min)
 test-fast: setup
-	$(PY) -m pytest -n $(JOBS) -q -m "not mpi and not slow"
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider -m "not mpi and not xla and not sweep and not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check partir_emu scenarios tests benchmarks examples
 
 typecheck: setup
 	$(VENV)/bin/mypy
+
+# regenerate requirements.lock from the pyproject ranges (a fresh venv; then commit it)
+lock:
+	$(PYTHON) tools/lock.py write
+
+# the README's two commands on a fresh clone of HEAD, plain and under another BLAS kernel with load
+fresh-clone:
+	bash tools/fresh_clone.sh
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

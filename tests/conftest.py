@@ -3,11 +3,54 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Wall-clock limits in tests (how soon a signal stops a job, a timeout fires) are what a quiet
+# 2-core machine needs, times this: the suite must hold with other work beside it. Raise it on a
+# slower machine; speed itself is measured by benchmarks/, never asserted by a test.
+WALL_SLACK = float(os.environ.get("PARTIR_EMU_WALL_SLACK", "3"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One jax compilation cache for the whole session (the xdist workers and the XLA and MPI child
+    processes inherit the environment): the same unpartitioned steps are compiled by many test
+    modules and child processes, and on this machine a compile, not the run, is most of a test's time."""
+    if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return                                    # an xdist worker, or the caller chose a cache
+    path = tempfile.mkdtemp(prefix="partir-emu-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    config._partir_emu_jax_cache = path           # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (``make test``) xdist puts the tests of one ``xdist_group`` (one XLA
+    child, one mpiexec launch, one set of references) on one worker by suffixing their node ids; a
+    pytest that xdist cannot rename would silently spread them and run every launch twice."""
+    if not config.getvalue("loadgroup"):
+        return
+    lost = [it.nodeid for it in items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
+    if lost:
+        raise pytest.UsageError(f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): this pytest "
+                                f"and pytest-xdist do not work together; install requirements.lock (make setup)")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = getattr(config, "_partir_emu_jax_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def wall(seconds: float) -> float:
+    """A wall-clock limit for a test marked ``wallclock``: ``seconds`` on a quiet machine, with slack."""
+    return seconds * WALL_SLACK
 
 
 @functools.cache

@@ -9,7 +9,6 @@ its alpha-beta closed form says. Notation: ``A`` latency per hop, ``B`` bandwidt
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -233,14 +232,14 @@ def test_candidates_and_requested_algorithm():
     assert parse_algorithms("all_reduce=tree,all_gather=rail") == {"all_reduce": "tree", "all_gather": "rail"}
 
 
-def test_pricing_every_candidate_stays_fast():
-    """512 H100 (64 nodes): hierarchical, rail and tree all priced for an all-reduce of each size."""
+def test_every_candidate_is_priced_on_512_gpus():
+    """512 H100 (64 nodes): hierarchical, rail and tree all priced for an all-reduce of each size
+    (how fast: benchmarks/simulate_speed.py, not a timed test)."""
     spec = load_spec("h100")
     pl = place(Mesh(data=64, model=8), spec)
-    t0 = time.perf_counter()
-    for n in (64 * 1024, 16 * MIB, 256 * MIB):
-        CommModel(pl).cost("all_reduce", ("data", "model"), n)
-    assert time.perf_counter() - t0 < 10.0
+    got = [CommModel(pl).cost("all_reduce", ("data", "model"), n) for n in (64 * 1024, 16 * MIB, 256 * MIB)]
+    assert all(c.time_s > 0 and c.group_size == 512 for c in got)
+    assert got[0].time_s < got[1].time_s < got[2].time_s
 
 
 # -- the DES replays the chosen schedules ------------------------------------------------------------------

@@ -155,6 +155,7 @@ def test_no_package_cycles():
     assert not cycle, f"package cycle: {' -> '.join(cycle)}"
 
 
+@pytest.mark.slow
 def test_no_module_cycles_inside_packages():
     """Within one package too (the DES once had model <-> collective <-> device)."""
     edges: dict[str, set[str]] = {}

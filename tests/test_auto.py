@@ -42,6 +42,7 @@ def the_result(low):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,overrides", [(2, None), (4, None), (2, "layers_as=loop")])
 def test_transformer_bp_auto_finds_megatron_or_cheaper(model, overrides):
     mesh = f"batch=2,model={model}"
@@ -60,6 +61,7 @@ def test_transformer_bp_auto_finds_megatron_or_cheaper(model, overrides):
     assert res.cost == pytest.approx(pa.value, rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,mesh", [("tiny", "batch=2,model=2"), ("small", "batch=2,model=2"),
                                        ("full", "batch=8,model=4")])
 def test_mlp_auto_matches_or_beats_every_manual_strategy_on_the_same_data_tactics(size, mesh):
@@ -73,6 +75,7 @@ def test_mlp_auto_matches_or_beats_every_manual_strategy_on_the_same_data_tactic
         assert manual["bp+mp"] < manual["bp"] and res.decisions
 
 
+@pytest.mark.slow
 def test_memory_limit_makes_the_search_pick_a_strategy_that_fits():
     free, _ = lowered("mlp", "small", "batch=2,model=2", "bp+auto")
     fastest = the_result(free)
@@ -92,6 +95,7 @@ def test_nothing_fits_keeps_the_least_overflow_and_says_so():
     assert not res.fits and "NO candidate fits" in res.report("auto")
 
 
+@pytest.mark.slow
 def test_priced_after_the_manual_tactics_that_follow():
     """``bp + auto + z3``: each candidate is priced after ZeRO-3 (the tactic after it), so the
     search's price is the final program's."""
@@ -103,6 +107,7 @@ def test_priced_after_the_manual_tactics_that_follow():
     assert res.cost == pytest.approx(price(low).value, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_families_a_manual_tactic_tiled_before_are_not_searched():
     exp = Experiment("transformer", "bp", Mesh.parse("batch=2,model=2"), "tiny")
     attn = ManualPartition({"params/*/attn/w_q": 1, "opt/*/attn/w_q": 1}, axis="model", name="attn")
@@ -113,6 +118,7 @@ def test_families_a_manual_tactic_tiled_before_are_not_searched():
     assert low.spmd.meta["tactics"][-2] == "attn"
 
 
+@pytest.mark.slow
 def test_deterministic_for_a_seed_and_within_the_budget():
     runs = [the_result(lowered("transformer", "tiny", "batch=2,model=2", "bp+auto",
                                AutomaticPartition("model", budget=10, seed=s))[0]) for s in (3, 3)]
@@ -121,6 +127,7 @@ def test_deterministic_for_a_seed_and_within_the_budget():
     assert a.stopped == "budget" and a.evaluations == 10
 
 
+@pytest.mark.slow
 def test_the_report_says_why_against_the_runner_up():
     low, exp = lowered("transformer", "small", "batch=2,model=2", "bp+auto", AutomaticPartition("model", budget=16))
     res = the_result(low)
@@ -151,6 +158,7 @@ def test_auto_with_memory_cost_beats_bp_and_verifies(case):
     assert out.peak_bytes_per_device[0] == res.cost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [None, "layers_as=loop"])
 def test_transformer_auto_under_a_memory_limit_shards_model_and_verifies(case, overrides):
     """At the tiny size nothing on ``model`` is cheapest (Megatron's all_reduces cost more than the
@@ -167,6 +175,7 @@ def test_transformer_auto_under_a_memory_limit_shards_model_and_verifies(case, o
     assert verify(out.outputs, ref, low.spmd.output_names).verified
 
 
+@pytest.mark.slow
 def test_show_and_simulate_print_what_the_search_chose_and_why(capsys, tmp_path):
     report = tmp_path / "sim.json"
     assert main(["simulate", "mlp", "--strategy", "bp+auto", "--size", "small", "--quiet",
@@ -180,6 +189,7 @@ def test_show_and_simulate_print_what_the_search_chose_and_why(capsys, tmp_path)
     assert "auto:model: 1 decision(s)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_t48_as_a_loop_on_512_chips_beats_every_manual_strategy(case):
     """The full-size preset with its layers as one loop (374 equations: an evaluation takes
     milliseconds, so the whole budget runs): the search finds a strategy the analytical model

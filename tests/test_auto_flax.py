@@ -83,6 +83,7 @@ def _results():
     return manual, low
 
 
+@pytest.mark.slow
 def test_bp_auto_on_a_flax_lm_shards_model_and_is_no_worse_than_any_manual_schedule():
     manual, low = _results()
     ((label, res),) = low.final_state.auto_results
@@ -99,6 +100,7 @@ def test_bp_auto_on_a_flax_lm_is_strictly_cheaper_than_megatron():
     assert _price(low).value < min(manual["bp+mp"], manual["bp+mp+opt"]) * (1 - TOL), (res.report(label), manual)
 
 
+@pytest.mark.slow
 def test_tiny_flax_lm_under_a_memory_limit_shards_model_and_matches_jax():
     args, _, step = _flax_case()
     prog = pe.trace(step, *args)

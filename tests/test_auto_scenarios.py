@@ -37,6 +37,7 @@ def _manual(sc) -> list[str]:
             and not any(p.startswith("z") for p in s.split("+"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,preset,overrides,mesh,strict", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[3].axis_size('model')}" + ("-pays" if c[4] else "") for c in CASES])
 def test_bp_auto_is_priced_no_higher_than_any_manual_strategy(scenario, preset, overrides, mesh, strict):

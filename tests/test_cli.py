@@ -33,6 +33,7 @@ def test_list(capsys):
     assert "t48 (simulation only)" in out and "t32 (simulation only)" in out
 
 
+@pytest.mark.slow
 def test_run_local_writes_the_report(capsys, tmp_path):
     path = tmp_path / "run.json"
     rc, out, _ = run_cli(capsys, "run", "mlp", "--strategy", "bp+mp", *TINY, "--report", str(path))
@@ -118,6 +119,7 @@ def test_simulate_options(capsys, tmp_path):
     assert rep["step_s"] <= rep["compute_s"] + rep["comm_s"] + 1e-15
 
 
+@pytest.mark.slow
 def test_simulate_full_width_without_arrays(capsys, tmp_path):
     # t32's full width (d_model 2560, seq 2048, vocab 50304) on 512 chips, cut to 2 layers to stay fast
     path = tmp_path / "sim.json"
@@ -187,6 +189,7 @@ def test_hardware_module_does_not_import_jax():
 
 
 # -- the console script ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_console_script(tmp_path):
     exe = Path(sys.executable).parent / "partir-emu"
     assert exe.exists(), exe

@@ -52,6 +52,7 @@ def _check(kind, shape, alg, n, dtype, op, dpn, seed):
     return sched, bufs, out
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(kind=st.sampled_from(KINDS), alg=st.sampled_from(ALGORITHMS), shape=st.sampled_from(SHAPES),
        mult=st.integers(0, 7), extra=st.integers(0, 5), dtype=st.sampled_from(DTYPES),

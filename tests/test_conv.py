@@ -165,6 +165,7 @@ def test_cnn_train_step_partitions_and_matches_jax(strategy):
     assert rep.step_s > 0
 
 
+@pytest.mark.slow
 def test_flax_cnn_with_optax_sgd_partitions_with_batch_parallelism():
     nn = pytest.importorskip("flax.linen")
     optax = pytest.importorskip("optax")

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from partir_emu.app.cli import main
 from tests.test_des_model import _check_chrome_trace
 
 
+@pytest.mark.slow
 def test_simulate_des_report_and_trace(tmp_path, capsys):
     rep, tr = tmp_path / "r.json", tmp_path / "t.json"
     rc = main(["simulate-des", "transformer", "--strategy", "bp+mp", "--mesh", "batch=2,model=4", "--size", "tiny",

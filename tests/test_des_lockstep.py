@@ -99,6 +99,7 @@ def _cases():
     return [c for _, c in out]
 
 
+@pytest.mark.slow
 def test_broken_and_cancelled_spans_give_the_reference_answer(watch):
     nets, ends = watch
     programs = ProgramCache()

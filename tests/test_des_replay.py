@@ -85,6 +85,7 @@ def test_bad_trace_files(tmp_path, capsys):
     assert "line" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(not (Path(sys.executable).parent / "mpiexec").exists() and shutil.which("mpiexec") is None,
                     reason="needs mpiexec (pip install mpich)")

@@ -114,6 +114,7 @@ def test_broken_symmetry_falls_back_to_members_with_the_same_answer(monkeypatch)
     assert _class_runs(spmd, spec, pl, "ring") == (1, 1, True)
 
 
+@pytest.mark.slow
 def test_whole_steps_with_straggler_and_faults_aggregated_equal_reference():
     spmd = lowered("transformer", "bp+mp+z3", "batch=2,model=4")
     for hw in ("tpu-v4", "h100"):

@@ -137,6 +137,7 @@ def test_cases_file_with_conditions():
                          + bad + '}'])
 
 
+@pytest.mark.slow
 def test_validate_cli_quick_suite(tmp_path, capsys):
     """The CLI runs a suite, prints the table and the error per mechanism, writes the report and plot,
     keeps the lowered programs, and exits 0 exactly when the suite passes."""

@@ -96,6 +96,7 @@ SC = get_scenario("transformer")
 MESH = pe.Mesh(batch=2, model=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, {"tied": 1}, {"layers_as": "loop", "precision": "bf16"}])
 @pytest.mark.parametrize("strategy", ["bp+emb", "bp+mp+emb", "bp+mp+emb+z3"])
 def test_transformer_emb_strategies_verify_and_move_no_vocab_sized_value(strategy, extra):

@@ -12,6 +12,7 @@ MESHES = ["batch=2,model=2", "batch=4,model=2", "pod=2,batch=2,model=2"]
 STRATEGIES = ["bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("scenario", ["mlp", "transformer"])

@@ -220,6 +220,7 @@ def required_report():
     return run_cases(select(load_cases(), list(REQUIRED)), programs=ProgramCache())
 
 
+@pytest.mark.slow
 def test_required_cases_all_run(required_report):
     assert not required_report.failures, required_report.failures
     assert [r.case.case for r in required_report.results] == list(REQUIRED)
@@ -236,6 +237,7 @@ def test_required_cases_meet_the_accuracy_targets(required_report):
 
 
 # -- the fitted per-chip constants are reproducible -----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("chip", ["tpu-v4", "tpu-v5e"])
 def test_fitted_matmul_fraction_is_what_the_fit_gives(chip):
     """A spec whose matmul fraction says "fit" carries the value `partir-emu fidelity --fit` computes

@@ -56,6 +56,7 @@ CASES = [(s, "batch=4") for s in gns.STRATEGY_NAMES if s not in ("bp+edge", "bp+
     ("node", "batch=2,model=2"), ("bp", "batch=2,model=2")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, mesh", CASES)
 def test_every_strategy_matches_jax(strategy, mesh):
     cfg, _, inputs, ref = _case()
@@ -70,6 +71,7 @@ def test_every_strategy_matches_jax(strategy, mesh):
             assert sh == ins[f"{STATE_OUTPUTS[head]}/{rest}"], name
 
 
+@pytest.mark.slow
 def test_loss_decreases_and_graphs_are_connected():
     cfg = SC.config("tiny")
     params, opt, batch = SC.make_inputs(cfg, 1)
@@ -86,6 +88,7 @@ def test_loss_decreases_and_graphs_are_connected():
 
 # -- the collectives of edge and node sharding -----------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["edge", "edge+z3"])
 @pytest.mark.parametrize("mesh, axes", [("batch=4", ("batch",)), ("pod=2,batch=2", ("pod", "batch"))])
 def test_edge_sharding_reduces_nodes_once_per_step(strategy, mesh, axes):
@@ -164,6 +167,7 @@ def test_param_count_and_model_flops_match_the_traced_program():
     assert flops == gns.model_flops(cfg) - skipped
 
 
+@pytest.mark.slow
 def test_model_matches_a_numpy_message_passing_step():
     """One message-passing step written with numpy loops over edges equals gns_model.forward's."""
     cfg = SC.config("tiny", "steps=1,graphs=1")
@@ -193,6 +197,7 @@ def test_model_matches_a_numpy_message_passing_step():
 
 # -- pricing ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["tpu-v4", "h100"])
 def test_full_preset_is_priced(hardware):
     cfg = SC.config("full")

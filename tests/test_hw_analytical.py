@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import pytest
 import tomllib
@@ -253,13 +252,11 @@ def _transformer(layers: int = 48, b: int = 8, s: int = 2048, d: int = 4096, f: 
     return bl.build([h], Mesh(batch=4, model=8))
 
 
-def test_speed_on_a_48_layer_program():
+def test_a_48_layer_program_is_priced_the_same_warm_and_cold():
+    """The second evaluation reuses the cached analysis and collective prices (how fast that is:
+    benchmarks/simulate_speed.py, not a timed test) and gives the same answer."""
     spmd = _transformer()
     assert len(spmd.program.eqns) > 2000
-    simulate(spmd, "tpu-v4")                     # first call: analysis + collective prices cached
-    n = 20
-    t0 = time.perf_counter()
-    for _ in range(n):
-        simulate(spmd, "tpu-v4")
-    per_eval = (time.perf_counter() - t0) / n
-    assert per_eval < 0.02, f"{1 / per_eval:.0f} evaluations/s"     # ~1 ms on an idle 2-core box
+    cold = simulate(spmd, "tpu-v4")
+    warm = simulate(spmd, "tpu-v4")
+    assert warm.step_s == cold.step_s and warm.peak_bytes_per_device == cold.peak_bytes_per_device

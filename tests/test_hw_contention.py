@@ -214,6 +214,7 @@ def test_whole_program_with_faults_matches_the_des(faults):
     assert [a.algorithm for a in ana.collectives] == [d.algorithm for d in des.collectives]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims, wrap, failed", [((8,), (True,), ()), ((8,), (True,), ("0-1",)), ((8,), (False,), ()),
                                                 ((4, 4), (True, True), ("0-1",)), ((2, 4, 3), (False, False, True), ()),
                                                 ((4, 4, 16), (True, True, True), ("5->6",))])

@@ -181,6 +181,7 @@ def test_z3_all_gathers_the_parameters_once_per_pass(strategy):
 GiB = 2 ** 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["t32", "t48"])
 def test_full_size_on_512_chips_fits_with_remat_and_not_without(preset):
     """bp+mp+z3 on a 512-chip tpu-v4 slice (8x8x8): finite step time, state < 1 % of HBM.
@@ -213,6 +214,7 @@ def test_full_size_on_512_chips_fits_with_remat_and_not_without(preset):
         assert reports[0].compute_s < reports[1].compute_s      # remat trades compute for memory
 
 
+@pytest.mark.slow
 def test_full_size_t48_fits_on_a_4096_chip_pod_with_no_dead_buffers():
     """t48 bp+mp+z3 on the whole tpu-v4 pod (batch=512, model=8): local batch 1, 4 heads. The compiler
     drops dead code at trace time (jax's backward of ``where(causal, scores, -1e9)`` leaves a zeros

@@ -206,6 +206,7 @@ def test_z3_prefetch_budget_and_gradient_overlap():
     assert none.peak_bytes_per_device == plain.peak_bytes_per_device
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["h100", "tpu-v4"])
 @pytest.mark.parametrize("strategy, mesh", [("z3", "batch=4"), ("bp+mp+z3", "batch=2,model=4")])
 @pytest.mark.parametrize("prefetch", [None, 0])

@@ -63,6 +63,7 @@ def test_stream_rule_unit():
     assert stream_prereqs(order, round_robin(order, 2)) == [-1, 2, -1, 0]    # rank r waits for rank r - 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [("transformer", "bp+mp+z3", "batch=2,model=4", "tiny", None),
                                   ("transformer", "z3", "batch=4", "small", None),
                                   ("transformer", "bp+mp", "batch=2,model=4", "tiny", "layers_as=loop")])

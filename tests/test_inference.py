@@ -71,6 +71,7 @@ def test_model_flops_formula():
     assert SC.model_flops(dec) == 2 * n * 8 + 4 * L * H * Q * T * 8
 
 
+@pytest.mark.slow
 def test_decode_continues_prefill():
     """Prefill of a prompt then decode of one more token gives the logits that prefill of the
     longer prompt gives for its last position (the cache is written and read where it should)."""
@@ -89,6 +90,7 @@ def test_decode_continues_prefill():
     np.testing.assert_allclose(np.asarray(after["layer_1"]["k"]), np.asarray(ref_cache["layer_1"]["k"]), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("strategy,mesh", CASES)
 def test_strategy_verifies_against_jax_jit(strategy, mesh, phase):
@@ -98,6 +100,7 @@ def test_strategy_verifies_against_jax_jit(strategy, mesh, phase):
     assert rep["worst_output"] is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,mesh,phase", [("mp", "model=4", "decode"), ("bp+mq", "batch=2,model=2", "prefill")])
 def test_bf16_weights_and_cache_verify(strategy, mesh, phase):
     exp = Experiment("inference", strategy, Mesh.parse(mesh), overrides=f"precision=bf16,phase={phase}")
@@ -170,6 +173,7 @@ def test_mq_ws_shards_every_weight_on_both_axes_and_moves_activations_only(phase
     assert _collectives_touching_cache(spmd.collectives(), exp.cfg) == []
 
 
+@pytest.mark.slow
 def test_palm540b_decode_fits_64_chips_with_2d_weight_stationary():
     """Pope et al. serve PaLM 540B on 64 TPU v4 chips: weights on all 64 (2D weight-stationary); ``bp+mq``
     keeps a copy per data group and does not fit 32 GiB, ``mq+ws`` does (priced, not run)."""

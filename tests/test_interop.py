@@ -27,6 +27,7 @@ from scenarios import get_scenario
 from scenarios.common import STATE_OUTPUTS
 
 MESH = "batch=2,model=2"
+pytestmark = pytest.mark.xla
 
 
 @functools.cache
@@ -53,7 +54,8 @@ def xla_answers() -> dict:
     return dict(zip(NORMALISED, run_child(cases, 4, timeout=300, xla_flags=FAST_COMPILE)))
 
 
-@pytest.mark.parametrize("scenario,strategy", NORMALISED)
+@pytest.mark.parametrize("scenario,strategy", [pytest.param(*c, marks=pytest.mark.xdist_group("xla-normalised"))
+                                               for c in NORMALISED])
 def test_reductions_agree_after_normalising(xla_answers, scenario, strategy):
     """Data parallelism (and Megatron on the MLP): both programs reduce the same tensors over the
     same axes. XLA's CPU backend writes them as a few combined tuple all-reduces, so the raw

@@ -265,6 +265,7 @@ _OPS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(lambda s: tuple(s) + (2,)),
        ops=st.lists(_OPS, min_size=1, max_size=6), seed=st.integers(0, 2**16))

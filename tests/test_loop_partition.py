@@ -53,6 +53,7 @@ def _unstack(tree: dict, layers: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_scan_transformer_equals_jax_and_the_unrolled_model(strategy):
     low, args, step = _lower("loop", strategy)
@@ -83,6 +84,7 @@ def test_a_step_runs_the_collectives_of_the_unrolled_model(strategy):
     assert loop.spmd.stats().to_json() == unrolled.spmd.stats().to_json()
 
 
+@pytest.mark.slow
 def test_48_layers_lower_to_a_program_at_least_20x_smaller():
     loop, _, _ = _lower("loop", "bp+mp+z3", layers=48)
     unrolled, _, _ = _lower("unrolled", "bp+mp+z3", layers=48)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import time
 
 import numpy as np
 import pytest
@@ -127,8 +126,9 @@ def test_engine_body_collectives_reach_the_callback_once_per_iteration():
     assert len(seen) == 2 * (3 * 3 + 1)
 
 
-def test_long_loop_runs_in_linear_time():
-    """1000 iterations over a stacked xs[1000, 256]: rows are views, ys rows written in place."""
+def test_a_long_loop_writes_every_row():
+    """1000 iterations over a stacked xs[1000, 256] (rows are views, ys rows written in place; its
+    time per iteration is benchmarks/loops.py's, not a timed test)."""
     ids = itertools.count()
     top = Build(ids)
     c0, xs = top.var((256,)), top.var((1000, 256))
@@ -138,11 +138,8 @@ def test_long_loop_runs_in_linear_time():
     body = b.program([c, x], [cn, cn])
     prog = top.program([c0, xs], top.loop([], [c0], [xs], body, 1000))
     ins = global_inputs([(256,), (1000, 256)])
-    t0 = time.perf_counter()
     c_out, ys = eval_program(prog, ins)
-    took = time.perf_counter() - t0
     np.testing.assert_allclose(ys, ins[0] + np.cumsum(ins[1], axis=0), rtol=1e-4, atol=1e-4)
-    assert took < 1.0, took
 
 
 # -- counts, printing, the file format ------------------------------------------------------------

@@ -228,6 +228,7 @@ def baseline(tmp_path_factory):
     return programs, {r.case: r for r in rep.results}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", ANALYTICAL, ids=lambda m: m.name)
 def test_validate_catches_analytical_mutation(mutation, baseline, monkeypatch):
     programs, base = baseline

@@ -65,6 +65,7 @@ def _collectives(spmd) -> list[str]:
 
 
 # -- RNG: the same bits as jax's threefry ------------------------------------------------------------
+@pytest.mark.slow
 def test_random_draws_match_jax_bit_for_bit():
     def draws(k):
         k1, k2 = jax.random.split(k)
@@ -233,6 +234,7 @@ def _random_like(shapes, scale: float = 0.3, rng: np.random.Generator = RNG):
     return jax.tree_util.tree_map(lambda s: (rng.standard_normal(s.shape) * scale).astype(s.dtype), shapes)
 
 
+@pytest.mark.slow
 def test_flax_dropout_is_bit_exact_batch_tiled():
     import flax.linen as nn
     drop = nn.Dropout(0.5, broadcast_dims=(1,))
@@ -243,6 +245,7 @@ def test_flax_dropout_is_bit_exact_batch_tiled():
     assert {"random_fold_in", "random_bits"} <= {e.prim for e in spmd.program.eqns}
 
 
+@pytest.mark.slow
 def test_flax_lm_with_dropout_and_adamw_batch_parallel():
     import flax.linen as nn
     import optax
@@ -285,6 +288,7 @@ def test_flax_lm_with_dropout_and_adamw_batch_parallel():
     assert report.step_s > 0
 
 
+@pytest.mark.slow
 def test_equinox_mlp_with_adam_batch_parallel():
     import equinox as eqx
     import optax

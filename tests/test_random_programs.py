@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -118,6 +119,7 @@ def schedules(draw, mesh, input_shapes):
     return tactics
 
 
+@pytest.mark.slow
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_random_program_matches_jax(data):

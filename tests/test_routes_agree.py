@@ -59,6 +59,7 @@ def case(request):
     return topo, factors, src, dst
 
 
+@pytest.mark.slow
 def test_router_route_and_route_matrix_agree(case):
     topo, factors, src, dst = case
     router = Router(topo, factors)

@@ -77,6 +77,7 @@ def test_resolve_size_bad_preset_and_constraint():
 
 # -- the steps ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tiny_step_runs_under_jit(tiny):
     sc, cfg, step = tiny
     params, opt, batch = sc.make_inputs(cfg, seed=0)
@@ -124,6 +125,7 @@ def test_input_names(tiny):
     assert set(expected) <= set(names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, preset", FULL_PRESETS)
 def test_full_size_param_count(scenario, preset):
     sc = get_scenario(scenario)

@@ -25,6 +25,7 @@ def params_of(low):
     return [(n, v) for n, v in zip(low.spmd.input_names, low.program.inputs) if n.startswith("params/")]
 
 
+@pytest.mark.slow
 def test_mp_transformer_two_allreduces_per_layer_each_way(case):
     cfg, low = lowered(case, "transformer", "mp", "batch=2,model=2")
     cs = comms(low)

@@ -215,6 +215,7 @@ def _axes(spmd, prim):
 CASES = {"flax": _flax_case, "scan": _scan_case, "eqx": _eqx_case}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["bp", "mp", "z3"])
 @pytest.mark.parametrize("model", list(CASES))
 def test_loss_and_gradients_match_jax(model, strategy):
@@ -231,6 +232,7 @@ def test_loss_and_gradients_match_jax(model, strategy):
         assert not _axes(spmd, "all_gather")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["bp", "mp", "z3"])
 @pytest.mark.parametrize("model", list(CASES))
 def test_whole_step_with_optax_matches_jax(model, strategy):

@@ -95,6 +95,7 @@ def _schedule(strategy: str) -> tuple[pe.Mesh, list]:
 STRATEGIES = ["bp", "mp", "z3", "spatial", "spatial+bp"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_unet_loss_and_gradients_match_jax(strategy):
     args, grads, _ = _case()
@@ -124,6 +125,7 @@ def _gathered(spmd) -> list[str]:
     return [e.prim for e in spmd.program.eqns if any(a in gathered for a in e.inputs)]
 
 
+@pytest.mark.slow
 def test_unet_with_max_pooling_tiled_on_h_gathers_nothing():
     args, grads, step = _case("max")
     mesh, schedule = _schedule("spatial")
@@ -132,6 +134,7 @@ def test_unet_with_max_pooling_tiled_on_h_gathers_nothing():
     assert not _gathered(_check(step, args, mesh, schedule, 1e-3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_unet_whole_step_with_optax_matches_jax(strategy):
     args, _, step = _case()

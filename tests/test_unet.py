@@ -95,6 +95,7 @@ def test_model_flops_equal_the_traced_convs_and_matmuls(overrides):
     assert SC.model_flops(cfg) == 6 * b * unet.macs_per_image(cfg)
 
 
+@pytest.mark.slow
 def test_tiny_step_trains():
     cfg = SC.config("tiny")
     step = jax.jit(SC.make_step(cfg))
@@ -125,6 +126,7 @@ def _run(strategy: str, overrides: str | None = None) -> tuple[Experiment, objec
     return exp, spmd, exp.check(outputs, inputs, spmd.output_names, refs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(MESHES))
 def test_strategy_matches_jax(strategy):
     exp, spmd, ver = _run(strategy)
@@ -145,6 +147,7 @@ def test_strategy_matches_jax(strategy):
         assert ("all_gather", ("batch",)) in axes if "z3" in strategy else not axes[("all_gather", ("batch",))]
 
 
+@pytest.mark.slow
 def test_bf16_spatial_matches_jax():
     """precision=bf16: bf16 convs (and their halo rows) with float32 master weights, verified against
     jax.jit relative to its own bf16 error."""
@@ -171,6 +174,7 @@ def test_spatial_has_one_halo_exchange_per_conv_layer():
     _check_exchanges(spmd, exp.cfg)
 
 
+@pytest.mark.slow
 def test_full_size_spatial_exchanges_and_gathers():
     """DDPM's CIFAR-10 model (lowered only): the same one exchange per conv layer and direction, and
     every all_gather, reduce_scatter and all_to_all over ``spatial`` is self-attention's."""
@@ -226,6 +230,7 @@ def test_spatial_gathers_only_in_attention(strategy):
 
 
 # -- the CLI: simulate, simulate-des ----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("hardware, strategy, mesh", [("tpu-v4", "bp+spatial", "batch=16,spatial=4"),
                                                        ("h100", "z3", "batch=16")])
 def test_simulate_full_preset(capsys, tmp_path, hardware, strategy, mesh):

@@ -25,6 +25,7 @@ def _spmd(scenario: str, overrides: str | None, strategy: str, mesh: str):
     return lowered(scenario, strategy, mesh, overrides)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["tpu-v4", "h100"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_zoo_strategy_is_priced_by_both_models(case, hardware):

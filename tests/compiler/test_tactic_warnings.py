@@ -52,6 +52,7 @@ def test_bp_and_z3_as_one_tactic_warn_with_counts(z3):
     assert any("batch" in st.value_dims[v][2] for v in acts)
 
 
+@pytest.mark.slow
 def test_the_cli_prints_warnings_to_stderr(capsys, monkeypatch):
     monkeypatch.setattr(compiler_api.Lowered, "warnings", property(lambda self: ["tactic 'x': 3 conflict(s)"]))
     args = ["mlp", "--strategy", "z3", "--size", "tiny", "--mesh", "batch=2"]

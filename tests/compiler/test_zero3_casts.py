@@ -101,6 +101,7 @@ def test_bf16_gathers_move_bf16_and_do_not_raise_the_peak(remat):
     assert peak_memory(bf16).peak_bytes <= peak_memory(f32).peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", ["precision=bf16", "precision=bf16,remat=1"])
 def test_z3_bf16_verifies_against_jax(overrides):
     rep = run_local(Experiment("transformer", "z3", Mesh(batch=2), "tiny", overrides))

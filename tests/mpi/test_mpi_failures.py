@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wall
 from tests.mpi.conftest import lowered, shm_files
 
 MESH = "batch=4"
-SLACK_S = 10.0
+SLACK_S = wall(10.0)
+pytestmark = pytest.mark.wallclock
 
 
 def _program():
@@ -147,7 +149,7 @@ def test_cli_reports_rank_failure_and_exits_nonzero(tmp_path):
     env = dict(os.environ, PARTIR_EMU_FAULT=f"rank:1:op:{op}:raise", TMPDIR=str(tmp_path))
     out = subprocess.run([str(exe), "run", "mlp", "--strategy", "bp", "--mesh", MESH, "--backend", "mpi",
                           "--devices", "4", "--devices-per-rank", "2", "--timeout", "60", "--report",
-                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120, env=env)
+                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=wall(120), env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"partir-emu rank 1 devices 2-3 op {op} (all_reduce at " in out.stderr, out.stderr
     assert not (tmp_path / "r.json").exists()
@@ -166,10 +168,10 @@ def test_rank_failure_under_users_mpirun(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run([str(mpiexec), "-n", "2", str(exe), "run", "mlp", "--strategy", "bp", "--mesh", MESH,
                           "--backend", "mpi", "--devices-per-rank", "2", "--timeout", "60"],
-                         capture_output=True, text=True, timeout=90, env=env)
+                         capture_output=True, text=True, timeout=wall(90), env=env)
     assert out.returncode != 0
     assert f"partir-emu rank 1 devices 2-3 op {op} (all_reduce at " in out.stderr + out.stdout, out.stderr
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < wall(30)
 
 
 def test_progress_records_are_json(tmp_path, baseline_s):

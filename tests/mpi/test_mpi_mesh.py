@@ -66,7 +66,9 @@ def _launch(config: str) -> dict:
     return dict(zip(keys, results))
 
 
-PARAMS = [pytest.param(cfg, *case, id=f"{cfg}-{case[0]}-{case[1]}-{case[2]}-{case[3]}")
+# one xdist group per launch: the worker that runs a config's first case runs the rest from its cache
+PARAMS = [pytest.param(cfg, *case, id=f"{cfg}-{case[0]}-{case[1]}-{case[2]}-{case[3]}",
+                       marks=pytest.mark.xdist_group(f"mpi-mesh-{cfg}"))
           for cfg in CONFIGS for case in _cases(cfg)]
 
 

@@ -24,12 +24,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wall
 from tests.mpi.conftest import MPIEXEC
 
 EXE = Path(sys.executable).parent / "partir-emu"
 RUN = ["run", "mlp", "--size", "tiny", "--strategy", "bp", "--mesh", "batch=2", "--backend", "mpi", "--timeout", "60"]
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-STOP_S = 5.0
+STOP_S = wall(5.0)
+pytestmark = pytest.mark.wallclock
 
 
 # -- /proc ---------------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ def _signal_once_running(proc: subprocess.Popen, pattern: str, sig: signal.Signa
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=wall(30))
         return out, err, time.monotonic() - t0, tree, shm
     finally:
         if proc.poll() is None:
@@ -215,7 +217,7 @@ def test_rank_death_under_users_mpiexec_is_named_once(tmp_path):
         recs = _wait_for(proc, str(tmp_path / "partir-emu-ranks-*" / "rank-*.json"), 2, None)
         tree = _tree(proc.pid)
         shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=wall(60))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -232,7 +234,7 @@ def test_bad_input_under_users_mpiexec_prints_once(tmp_path):
     """Every rank raises the same usage error; rank 0 alone prints it."""
     out = subprocess.run([str(MPIEXEC), "-n", "2", str(EXE), "run", "mlp", "--size", "tiny", "--mesh", "batch=3",
                           "--backend", "mpi", "--devices-per-rank", "1"], env=_env(tmp_path, ""),
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=wall(60))
     assert out.returncode == 2, out.stderr
     lines = _partir_lines(out.stderr + out.stdout)
     assert len(lines) == 1 and "error:" in lines[0], out.stderr
@@ -243,9 +245,9 @@ def test_timeout_under_users_mpiexec_is_reported_once(tmp_path):
     """Every rank's watchdog fires at once; the first to claim it prints one line for all."""
     t0 = time.monotonic()
     out = subprocess.run([str(MPIEXEC), "-n", "2", str(EXE), *RUN[:-1], "4", "--devices-per-rank", "1"],
-                         env=_env(tmp_path, "rank:1:op:0:hang"), capture_output=True, text=True, timeout=60)
+                         env=_env(tmp_path, "rank:1:op:0:hang"), capture_output=True, text=True, timeout=wall(60))
     assert out.returncode != 0
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < wall(30)
     lines = _partir_lines(out.stderr + out.stdout)
     assert len(lines) == 1, out.stderr
     assert "timed out after 4 s (--timeout)" in lines[0] and "last positions: rank 0: op " in lines[0], lines[0]
