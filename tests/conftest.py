@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under ``--dist loadgroup`` (``make test``) xdist puts the tests of one ``xdist_group`` (one XLA
     child, one mpiexec launch, one set of references) on one worker by suffixing their node ids; a
     pytest that xdist cannot rename would silently spread them and run every launch twice."""
-    if not config.getvalue("loadgroup"):
+    if not config.getoption("loadgroup", default=False):
         return
     lost = [it.nodeid for it in items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
     if lost:
