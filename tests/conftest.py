@@ -14,18 +14,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Wall-clock limits in tests (how soon a signal stops a job, a timeout fires) are what a quiet
 # 2-core machine needs, times this: the suite must hold with other work beside it. Raise it on a
 # slower machine; speed itself is measured by benchmarks/, never asserted by a test.
+PROGRAMS_ENV = "PARTIR_EMU_TEST_PROGRAMS"     # the session's program cache directory
 WALL_SLACK = float(os.environ.get("PARTIR_EMU_WALL_SLACK", "3"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One jax compilation cache for the whole session (the xdist workers and the XLA and MPI child
-    processes inherit the environment): the same unpartitioned steps are compiled by many test
-    modules and child processes, and on this machine a compile, not the run, is most of a test's time."""
+    """One jax compilation cache and one program cache for the whole session (the xdist workers and
+    the XLA and MPI child processes inherit the environment): the same unpartitioned steps are
+    compiled, and the same strategies lowered, by many test modules and child processes, and on this
+    machine compiling and lowering, not running, is most of a test's time."""
     if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return                                    # an xdist worker, or the caller chose a cache
-    path = tempfile.mkdtemp(prefix="partir-emu-test-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    path = tempfile.mkdtemp(prefix="partir-emu-test-caches-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(path, "jax")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ.setdefault(PROGRAMS_ENV, os.path.join(path, "programs"))      # lowered(): one program cache
     config._partir_emu_jax_cache = path           # type: ignore[attr-defined]
 
 
@@ -73,3 +76,33 @@ def scenario_case(name: str, overrides: str | None = None):
 @pytest.fixture
 def case():
     return scenario_case
+
+
+@functools.cache
+def _base_experiment(scenario: str, preset: str | None, overrides: str | None, strict: bool):
+    from partir_emu.app.experiment import Experiment
+    from partir_emu.core.mesh import Mesh
+    return Experiment(scenario, "bp", Mesh(batch=1), preset, overrides, strict=strict)
+
+
+def experiment(scenario: str, strategy: str, mesh: str, preset: str | None = None, overrides: str | None = None,
+               strict: bool = False):
+    """An Experiment whose step is traced (and jitted) once per configuration in this process, shared
+    by every strategy and mesh of it (Experiment.with_strategy)."""
+    from partir_emu.core.mesh import Mesh
+    return _base_experiment(scenario, preset, overrides, strict).with_strategy(strategy, Mesh.parse(mesh))
+
+
+@functools.cache
+def _programs():
+    from partir_emu.app.programs import ProgramCache
+    return ProgramCache(os.environ.get(PROGRAMS_ENV))
+
+
+@functools.cache
+def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = None):
+    """(Experiment, SpmdProgram), lowered once per session: the workers and their child processes
+    share one program cache on disk (``partir_emu.app.programs``, keyed by everything that shapes
+    the program)."""
+    exp = experiment(scenario, strategy, mesh, None, overrides)
+    return exp, _programs().spmd(exp)

@@ -17,6 +17,8 @@ import functools
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.xdist_group("auto_flax")    # its cached programs and references: made once, on one worker
+
 jax = pytest.importorskip("jax")
 nn = pytest.importorskip("flax.linen")
 optax = pytest.importorskip("optax")
@@ -94,6 +96,7 @@ def test_bp_auto_on_a_flax_lm_shards_model_and_is_no_worse_than_any_manual_sched
     assert res.cost == pytest.approx(p.value, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_bp_auto_on_a_flax_lm_is_strictly_cheaper_than_megatron():
     manual, low = _results()
     ((label, res),) = low.final_state.auto_results

@@ -26,7 +26,8 @@ from partir_emu.app.atomic import write_json_atomic
 from partir_emu.app.cli import main
 from partir_emu.app.common import experiment_from_args
 from partir_emu.app.phases import Phases, announce
-from partir_emu.app.validate_cases import Case, ProgramCache
+from partir_emu.app.programs import ProgramCache
+from partir_emu.app.validate_cases import Case, case_program
 from partir_emu.compiler import api as compiler_api
 from partir_emu.hwmodels.specs import DATA_DIR
 
@@ -419,18 +420,28 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
-def test_a_truncated_cache_entry_is_relowered_with_one_warning(tmp_path, capsys):
+def test_a_bad_cache_entry_is_relowered_with_one_warning(tmp_path, capsys):
+    """Truncated, not JSON, edited (its hash no longer matches) or written for another program: each
+    is named in one warning and lowered again, and the entry is rewritten whole."""
     case = Case("mlp", "bp", "tpu-v4", "batch=2", preset="tiny")
-    first = ProgramCache(tmp_path).get(case)
+    first = case_program(case, ProgramCache(tmp_path))
     (entry,) = tmp_path.glob("*.json")
-    entry.write_text(entry.read_text()[:100])
-    again = ProgramCache(tmp_path).get(case)
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "ignoring unreadable cache entry" in err
-    assert again.dumps() == first.dumps()
-    assert ProgramCache(tmp_path).get(case).dumps() == first.dumps()      # rewritten whole
-    entry.write_bytes(b"\xff\x00")
-    assert ProgramCache(tmp_path).get(case).dumps() == first.dumps()
+    good = entry.read_text()
+    other = json.loads(good)
+    other["key"]["strategy"] = "mp"
+    edited = json.loads(good)
+    edited["program"] = edited["program"].replace('"batch"', '"batch" ', 1)
+    for bad, why in ((good[:100], ""), ("\xff\x00", ""), (json.dumps(other), "another program"),
+                     (json.dumps(edited), "SHA-256")):
+        entry.write_text(bad)
+        again = case_program(case, ProgramCache(tmp_path))
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "ignoring the program cache entry" in err and why in err, err
+        assert again.dumps() == first.dumps()
+        assert json.loads(entry.read_text()) == json.loads(good)          # rewritten whole
+    cache = ProgramCache(tmp_path)
+    assert case_program(case, cache).dumps() == first.dumps() and (cache.hits, cache.misses) == (1, 0)
+    assert not capsys.readouterr().err
 
 
 def test_show_output_and_simulate_report_are_written_whole(capsys, tmp_path):

@@ -18,6 +18,8 @@ from partir_emu.core.dtypes import storable
 from partir_emu.core.mesh import Mesh
 from partir_emu.runtime.local_mesh import LocalMesh
 
+pytestmark = pytest.mark.xdist_group("bf16_runtime")    # its cached programs and references: made once, on one worker
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 D, H, OUT, B = 32, 64, 16, 16         # model sizes of the MLP step (emulation size)
 STATE = {"1": "params", "2": "opt"}  # the step returns (loss, params, opt, logits)

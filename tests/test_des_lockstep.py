@@ -12,7 +12,8 @@ import collections
 
 import pytest
 
-from partir_emu.app.validate_cases import ProgramCache, get_suite
+from partir_emu.app.programs import ProgramCache
+from partir_emu.app.validate_cases import case_program, get_suite
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import Placement, load_spec
 from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER
@@ -104,7 +105,7 @@ def test_broken_and_cancelled_spans_give_the_reference_answer(watch):
     nets, ends = watch
     programs = ProgramCache()
     for case in _cases():
-        spmd = programs.get(case)
+        spmd = case_program(case, programs)
         spec = load_spec(case.hardware, case.spec_overrides()) if case.hw_overrides else load_spec(case.hardware)
         placement = DEFAULT_ANALYZER.placement(spmd.mesh, spec, case.placement, case.slice_tuple())
         before = len(nets)

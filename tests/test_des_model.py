@@ -16,6 +16,8 @@ from partir_emu.hwmodels.des.progress import Progress
 from partir_emu.hwmodels.links import FaultError
 from tests.test_des_collectives import ring_topo, torus_topo
 
+pytestmark = pytest.mark.xdist_group("des_model")    # its cached programs and references: made once, on one worker
+
 
 @functools.cache
 def lowered(scenario: str, strategy: str, mesh: str, preset: str = "tiny", overrides: str | None = None):

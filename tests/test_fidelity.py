@@ -13,11 +13,14 @@ import statistics
 import pytest
 
 from partir_emu.app.cli import main
-from partir_emu.app.fidelity import MAX_TARGET_PCT, MEDIAN_TARGET_PCT, ProgramCache, run_cases
+from partir_emu.app.fidelity import MAX_TARGET_PCT, MEDIAN_TARGET_PCT, run_cases
 from partir_emu.app.fidelity_data import CONVENTIONS, FidelityDataError, load_cases, select
+from partir_emu.app.programs import ProgramCache
 from partir_emu.errors import PartirError
 from partir_emu.hwmodels.specs import load_spec
 from scenarios import get_scenario
+
+pytestmark = pytest.mark.xdist_group("fidelity")    # its cached programs and references: made once, on one worker
 
 REQUIRED = ("megatron-1.7b", "megatron-7.5b", "megatron-22b", "maxtext-22b-v4", "maxtext-32b-v5e")
 
@@ -228,6 +231,7 @@ def test_required_cases_all_run(required_report):
         assert r.sim.overlap and r.predicted_step_s > 0 and math.isfinite(r.error_pct)
 
 
+@pytest.mark.slow
 def test_required_cases_meet_the_accuracy_targets(required_report):
     print("\n" + required_report.table())
     errs = [abs(r.error_pct) for r in required_report.results]

@@ -23,6 +23,8 @@ from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios import gns, gns_model
 from scenarios.common import STATE_OUTPUTS, count_params
 
+pytestmark = pytest.mark.xdist_group("gns")    # its cached programs and references: made once, on one worker
+
 SC = gns.SCENARIO
 REDUCES = ("all_reduce", "reduce_scatter")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
@@ -117,6 +119,7 @@ def test_edge_sharding_reduces_nodes_once_per_step(strategy, mesh, axes):
     assert set(kinds) == ({"all_reduce"} if strategy == "edge" else {"all_gather", "reduce_scatter"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["node", "node+z3"])
 def test_node_sharding_all_gathers_the_node_table_once_per_step(strategy):
     """The only activations that move are the node latents (no edge-sized array: the edge MLPs run

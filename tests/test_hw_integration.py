@@ -16,6 +16,8 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import collective_bytes
 from partir_emu.hwmodels import load_spec, peak_memory, simulate
 
+pytestmark = pytest.mark.xdist_group("hw_integration")    # its cached programs and references: made once, on one worker
+
 TINY_MESH = "batch=2,model=2"
 SANITY_MESH = "batch=4,model=2"          # 8 devices; simulated only
 STRATEGIES = ("bp", "mp", "z2", "z3", "bp+mp", "bp+mp+z3")

@@ -27,6 +27,8 @@ from partir_emu.hwmodels.des import simulate_des
 from tests.loop_programs import MM, SPMD_PROGRAMS, Build
 from tests.test_hw_analytical import unfused
 
+pytestmark = pytest.mark.xdist_group("hw_loops")    # its cached programs and references: made once, on one worker
+
 REL = 1e-9
 HARDWARE = ["h100", "tpu-v4"]
 MESH = Mesh(x=4)

@@ -20,6 +20,8 @@ from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.overlap import schedule
 from tests.test_hw_analytical import Builder
 
+pytestmark = pytest.mark.xdist_group("hw_overlap")    # its cached programs and references: made once, on one worker
+
 REL = 1e-9
 MM = (((1,), (0,)), ((), ()))
 

@@ -22,6 +22,8 @@ from partir_emu.hwmodels.overlap import _issue, schedule
 from partir_emu.hwmodels.streams import issue_streams, round_robin, stream_prereqs
 from tests.test_hw_analytical import Builder
 
+pytestmark = pytest.mark.xdist_group("hw_streams")    # its cached programs and references: made once, on one worker
+
 V4 = dict(placement="a=x,b=y", slice_dims=(4, 4, 1))        # a on the x ring, b on the y ring
 
 

@@ -19,6 +19,8 @@ from partir_emu.core.loops import static_eqn_count, walk
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.common import get_scenario
 
+pytestmark = pytest.mark.xdist_group("loop_partition")    # its cached programs and references: made once, on one worker
+
 SC = get_scenario("transformer")
 MESH = pe.Mesh(batch=2, model=2)
 STATE = {"1": "params", "2": "opt"}

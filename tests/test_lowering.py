@@ -83,6 +83,7 @@ def test_state_after_each_tactic_is_printable_with_reasons(case):
     assert "via dot_general" in text2
 
 
+@pytest.mark.slow
 def test_printer_and_stats(case):
     s, cfg, prog, _, _ = case("transformer")
     mesh = Mesh(batch=2, model=2)
@@ -99,6 +100,7 @@ def test_printer_and_stats(case):
     assert "all_reduce" in str(st)
 
 
+@pytest.mark.slow
 def test_file_format_round_trip_runs_identically(case, tmp_path):
     s, cfg, prog, inputs, ref = case("transformer")
     mesh = Mesh(batch=2, model=2)

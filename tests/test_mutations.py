@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from partir_emu.app.validate_cases import SUITES, ProgramCache, run_suite
+from partir_emu.app.programs import ProgramCache
+from partir_emu.app.validate_cases import SUITES, run_suite
 from partir_emu.collectives.schedule import CollectiveSchedule
 from partir_emu.collectives.transfers import TransferTable
 from partir_emu.hwmodels import algorithm_choice, analytical, comm, contention, links, pricing
@@ -33,6 +34,8 @@ from tests import (
     test_hw_collectives,
     test_hw_topology,
 )
+
+pytestmark = pytest.mark.xdist_group("mutations")    # its cached programs and references: made once, on one worker
 
 Patch = Callable[[pytest.MonkeyPatch], None]
 

@@ -17,6 +17,8 @@ from partir_emu.hwmodels.specs import load_spec
 from partir_emu.hwmodels.topology import topology_for
 from tests.test_hw_analytical import MM, Builder
 
+pytestmark = pytest.mark.xdist_group("placement_search")    # its cached programs and references: made once, on one worker
+
 V4 = load_spec("tpu-v4")
 H100 = load_spec("h100")
 

@@ -71,6 +71,7 @@ def test_router_route_and_route_matrix_agree(case):
     assert _rows(Router(topo, factors).route_matrix(src[::-1], dst[::-1])) == one_by_one[::-1]
 
 
+@pytest.mark.slow
 def test_router_follows_topology_route_unless_a_link_failed(case):
     topo, factors, src, dst = case
     router = Router(topo, factors)
@@ -108,6 +109,7 @@ def test_des_patterns_are_the_routes(case):
         assert router.rerouted
 
 
+@pytest.mark.slow
 def test_torus_routes_are_dimension_order_shortest_way_ties_plus(case):
     """The hop count and direction along each dim, from the coordinates alone (closed form)."""
     topo, factors, src, dst = case

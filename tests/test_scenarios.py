@@ -15,6 +15,8 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 from scenarios import adam_init, adam_update, get_scenario, input_names, list_scenarios, resolve_size
 
+pytestmark = pytest.mark.xdist_group("scenarios")    # its cached programs and references: made once, on one worker
+
 SCENARIOS = ["mlp", "transformer"]
 MESHES = [Mesh(batch=2, model=2), Mesh(batch=4, model=2), Mesh(pod=2, batch=2, model=2)]
 FULL_PRESETS = [("mlp", "full"), ("transformer", "t32"), ("transformer", "t48")]

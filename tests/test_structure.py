@@ -57,6 +57,7 @@ def test_mp_mlp_one_allreduce_per_layer_pair(case):
     assert len(cs) == 2 * LAYERS - 1
 
 
+@pytest.mark.slow
 def test_bp_allreduces_gradients_over_batch_only(case):
     for scenario in ("mlp", "transformer"):
         _, low = lowered(case, scenario, "bp", "batch=2,model=2")
@@ -74,6 +75,7 @@ def test_bp_over_two_data_axes(case):
     assert {(e.prim, e.params["axes"]) for e in cs} == {("all_reduce", ("pod", "batch"))}
 
 
+@pytest.mark.slow
 def test_z3_gathers_each_parameter_before_use_and_reduce_scatters_each_gradient(case):
     _, low = lowered(case, "transformer", "z3", "batch=2,model=2")
     spmd = low.spmd

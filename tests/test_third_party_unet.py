@@ -23,6 +23,8 @@ import functools
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.xdist_group("third_party_unet")    # its cached programs and references: made once, on one worker
+
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 nn = pytest.importorskip("flax.linen")

@@ -27,6 +27,8 @@ from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios import get_scenario
 from scenarios.common import STATE_OUTPUTS, count_params
 
+pytestmark = pytest.mark.xdist_group("transformer_shapes")    # its cached programs and references: made once, on one worker
+
 SC = get_scenario("transformer")
 MESH = Mesh(batch=2, model=2)
 BASE = dict(batch=4, seq=8, layers=1)            # tiny: d_model 16, heads 4, d_ff 32, vocab 32

@@ -21,6 +21,9 @@ from partir_emu.primitives.conv import conv_cost
 from partir_emu.primitives.dot import dot_general_cost
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios import get_scenario, list_scenarios, unet
+from tests.conftest import experiment, lowered
+
+pytestmark = pytest.mark.xdist_group("unet")    # its cached programs and references: made once, on one worker
 
 SC = unet.SCENARIO
 # strategy -> a 4-device mesh it runs on
@@ -111,7 +114,7 @@ def test_tiny_step_trains():
 @functools.cache
 def _references(overrides: str | None = None) -> tuple:
     """(inputs, (jax.jit outputs, float64 outputs)) of the tiny step: the same for every strategy."""
-    exp = Experiment("unet", "bp", Mesh(batch=1), None, overrides)
+    exp = experiment("unet", "bp", "batch=1", None, overrides)
     inputs = exp.inputs()
     return inputs, exp.references(inputs)
 
@@ -119,8 +122,7 @@ def _references(overrides: str | None = None) -> tuple:
 @functools.cache
 def _run(strategy: str, overrides: str | None = None) -> tuple[Experiment, object, object]:
     """What ``partir-emu run`` does (``run_local``), with the references computed once."""
-    exp = Experiment("unet", strategy, Mesh.parse(MESHES[strategy]), None, overrides)
-    spmd = exp.lower().spmd
+    exp, spmd = lowered("unet", strategy, MESHES[strategy], overrides)
     inputs, refs = _references(overrides)
     outputs = LocalMesh(exp.mesh).run(spmd, inputs).outputs
     return exp, spmd, exp.check(outputs, inputs, spmd.output_names, refs)
@@ -163,6 +165,7 @@ def _producer(spmd) -> dict:
     return {o: e for e in spmd.program.eqns for o in e.outputs}
 
 
+@pytest.mark.slow
 def test_spatial_has_one_halo_exchange_per_conv_layer():
     """Convention (``compiler/halo.py``): an exchange is one concatenate of [rows from the previous
     block, own block, rows from the next], fed by at most one ``collective_permute`` per direction.
@@ -213,6 +216,7 @@ def _check_exchanges(spmd, cfg) -> None:
     assert {e.params["axes"] for e in permutes} == {("spatial",)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["spatial", "bp+spatial"])
 def test_spatial_gathers_only_in_attention(strategy):
     """No activation is gathered over ``spatial`` for a conv, a norm, the down/upsampling or the loss:
@@ -245,6 +249,7 @@ def test_simulate_full_preset(capsys, tmp_path, hardware, strategy, mesh):
         assert any(c["prim"] == "collective_permute" for c in r["collectives"])
 
 
+@pytest.mark.slow
 def test_simulate_des_tiny(capsys):
     assert main(["simulate-des", "unet", "--strategy", "bp+spatial", "--mesh", "batch=2,spatial=2",
                  "--hardware", "tpu-v4", "--quiet"]) == 0

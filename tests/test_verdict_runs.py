@@ -18,10 +18,11 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.errors import EmulationError
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios import get_scenario
+from tests.conftest import experiment, lowered
 
 MESHES = ("batch=2,model=2", "spatial=4", "batch=2,spatial=2")
 # (scenario, overrides, seeds): 20 seeds where a step is cheap, fewer where it is not
-CONFIGS = (("mlp", None, 20), ("transformer", None, 20), ("transformer", "precision=bf16", 4), ("unet", None, 4),
+CONFIGS = (("mlp", None, 20), ("transformer", None, 10), ("transformer", "precision=bf16", 4), ("unet", None, 4),
            ("gns", None, 4), ("inference", "phase=prefill", 4), ("inference", "phase=decode", 4))
 
 
@@ -31,15 +32,9 @@ CASES = [pytest.param(sc, ov, st, get_scenario(sc).first_mesh(st, MESHES), n, id
 
 
 @functools.cache
-def _reference_experiment(scenario: str, overrides: str | None) -> Experiment:
-    """One experiment per scenario and size whose jitted step serves every strategy's reference
-    (the references do not depend on the partitioning; compiling them once keeps the sweep fast)."""
-    return Experiment(scenario, "bp", Mesh(batch=1), None, overrides)
-
-
-@functools.cache
 def _references(scenario: str, overrides: str | None, seed: int) -> tuple[list[np.ndarray], References]:
-    exp = _reference_experiment(scenario, overrides)
+    """The references of one seed (they do not depend on the partitioning: every strategy shares them)."""
+    exp = experiment(scenario, "bp", "batch=1", None, overrides)
     inputs = flatten(exp.scenario.make_inputs(exp.cfg, seed))
     return inputs, exp.references(inputs)
 
@@ -60,8 +55,7 @@ def _sweep(exp: Experiment, seeds) -> list[str]:
 @pytest.mark.sweep
 @pytest.mark.parametrize("scenario,overrides,strategy,mesh,seeds", CASES)
 def test_every_strategy_of_every_scenario_verifies_over_seeds(scenario, overrides, strategy, mesh, seeds):
-    exp = Experiment(scenario, strategy, Mesh.parse(mesh), None, overrides)
-    assert not _sweep(exp, range(seeds))
+    assert not _sweep(experiment(scenario, strategy, mesh, None, overrides), range(seeds))
 
 
 @pytest.mark.slow
@@ -101,6 +95,7 @@ def _reverse_first_halo(program: Program) -> Program:
     return dataclasses.replace(program, eqns=tuple(eqns))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,strategy,mesh,how", [
     pytest.param(sc, st, mesh, how, marks=pytest.mark.xdist_group(f"verdict-{sc}-None"))    # shares its references
     for sc, st, mesh, how in (("mlp", "bp", "batch=2,model=2", "max"), ("transformer", "bp+mp", "batch=2,model=2", "max"),
@@ -108,18 +103,17 @@ def _reverse_first_halo(program: Program) -> Program:
 def test_a_wrong_partitioning_fails_far_above_the_allowance(scenario, strategy, mesh, how):
     """A max for a sum, or a halo from the wrong neighbour: excess over the correct runs' reach more
     than 100x the allowance (benchmarks/verdict_kernels.py measures the least of every such break)."""
-    exp = Experiment(scenario, strategy, Mesh.parse(mesh))
-    low = exp.lower()
-    program = _break_first_all_reduce(low.spmd.program, "max") if how == "max" else _reverse_first_halo(low.spmd.program)
-    broken = dataclasses.replace(low.spmd, program=program)
+    exp, spmd = lowered(scenario, strategy, mesh)
+    program = _break_first_all_reduce(spmd.program, "max") if how == "max" else _reverse_first_halo(spmd.program)
+    broken = dataclasses.replace(spmd, program=program)
     inputs, refs = _references(scenario, None, 0)
-    v = exp.check(LocalMesh(exp.mesh).run(broken, inputs).outputs, inputs, low.spmd.output_names, refs)
+    v = exp.check(LocalMesh(exp.mesh).run(broken, inputs).outputs, inputs, spmd.output_names, refs)
     assert not v.verified
     bad = [c for c in v.outputs if not c.ok]
     assert v.worst.name in {c.name for c in bad}
     assert max(c.over for c in bad) > 100, v.summary()
     # and the same program unbroken verifies with room to spare
-    good = exp.check(LocalMesh(exp.mesh).run(low.spmd, inputs).outputs, inputs, low.spmd.output_names, refs)
+    good = exp.check(LocalMesh(exp.mesh).run(spmd, inputs).outputs, inputs, spmd.output_names, refs)
     assert good.verified and all(c.over <= 0.5 for c in good.outputs), good.summary()
 
 
@@ -141,6 +135,7 @@ def test_float64_reference_is_float64_and_closer_than_float32():
     assert any(not np.array_equal(b.astype(np.float64), r) for b, r in floats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["bp+mp+z3", "bp+mp+z2"])
 def test_strict_mode_checks_loss_and_gradients_before_the_optimizer(strategy):
     exp = Experiment("transformer", strategy, Mesh(batch=2, model=2), "tiny", strict=True)

@@ -19,6 +19,8 @@ from partir_emu.hwmodels.des.validate import MAX_MAX
 from tests.mpi.conftest import lowered
 from tests.mpi.test_zoo_mpi import CASES, _id
 
+pytestmark = pytest.mark.xdist_group("zoo_priced")    # its cached programs and references: made once, on one worker
+
 
 @functools.cache
 def _spmd(scenario: str, overrides: str | None, strategy: str, mesh: str):

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from partir_emu.app.fidelity import ProgramCache, run_case
+from partir_emu.app.fidelity import run_case
 from partir_emu.app.fidelity_data import Case, FidelityDataError
+from partir_emu.app.programs import ProgramCache
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.specs import HardwareSpec
 

@@ -87,6 +87,15 @@ class Experiment:
         gradients; see ``Scenario.build_step``)."""
         return self.scenario.build_step(self.cfg, strict=self.strict)
 
+    def with_strategy(self, strategy: str, mesh: Mesh) -> Experiment:
+        """The same step (same scenario, size, seed, inputs) under another strategy and mesh; the
+        traced program and the jitted references are shared, not made again."""
+        other = dataclasses.replace(self, strategy=strategy, mesh=mesh)
+        for name in ("program", "jitted_step", "high_precision_step"):
+            if name in self.__dict__:
+                other.__dict__[name] = self.__dict__[name]
+        return other
+
     @functools.cached_property
     def program(self) -> Program:
         """The traced global step (abstract inputs: nothing allocated). Imports jax on first use."""

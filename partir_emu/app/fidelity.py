@@ -29,9 +29,9 @@ from typing import Any
 from partir_emu.app import checks
 from partir_emu.app.experiment import Experiment
 from partir_emu.app.fidelity_data import CONVENTIONS, Case, FidelityDataError
+from partir_emu.app.programs import ProgramCache
 from partir_emu.app.simulate_cli import model_flops_per_device
 from partir_emu.core.mesh import Mesh
-from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
 from partir_emu.hwmodels.specs import HardwareSpec
@@ -77,25 +77,6 @@ class CaseResult:
         }
 
 
-class ProgramCache:
-    """Lowered SpmdPrograms by (scenario, strategy, mesh, overrides): each case is lowered once per cache."""
-
-    def __init__(self) -> None:
-        self._programs: dict[tuple, tuple[Experiment, SpmdProgram]] = {}
-        self.lower_s = 0.0
-
-    def get(self, case: Case) -> tuple[Experiment, SpmdProgram]:
-        key = (case.scenario, case.strategy, case.mesh, case.set)
-        hit = self._programs.get(key)
-        if hit is None:
-            exp = experiment(case)
-            t0 = time.perf_counter()
-            hit = (exp, exp.lower().spmd)
-            self.lower_s += time.perf_counter() - t0
-            self._programs[key] = hit
-        return hit
-
-
 def experiment(case: Case) -> Experiment:
     """The case as an Experiment (cheap: nothing traced yet; its config and strategy are checked)."""
     exp = Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh_text), None, case.overrides)
@@ -109,7 +90,8 @@ def run_case(case: Case, programs: ProgramCache, analyzer: Analyzer, *,
     ``spec`` replaces the case's hardware file (calibration tries variants of it). Any PartirError
     (a --set key the scenario lacks, a mesh that does not fit) names the case."""
     try:
-        exp, spmd = programs.get(case)
+        exp = experiment(case)
+        spmd = programs.spmd(exp)
         spec = spec if spec is not None else analyzer.spec(case.hardware)
         checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
         model_flops = model_flops_per_device(exp)
@@ -233,5 +215,5 @@ def run_cases(cases: Sequence[Case], *, programs: ProgramCache | None = None, an
     return FidelityReport(tuple(results), tuple(failures), time.perf_counter() - t0, programs.lower_s - lower0)
 
 
-__all__ = ["MAX_TARGET_PCT", "MEDIAN_TARGET_PCT", "CaseResult", "FidelityReport", "ProgramCache",
+__all__ = ["MAX_TARGET_PCT", "MEDIAN_TARGET_PCT", "CaseResult", "FidelityReport",
            "experiment", "run_case", "run_cases"]

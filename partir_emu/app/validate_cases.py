@@ -1,7 +1,7 @@
 """The validation suites: cases named by scenario, lowered here, compared by :mod:`partir_emu.hwmodels.des.validate`.
 
-``run_suite(cases)`` lowers each program once (cached per scenario, size, strategy and
-mesh, in memory and optionally on disk, see :class:`ProgramCache`), then compares the
+``run_suite(cases)`` lowers each program once (the one program cache,
+:class:`partir_emu.app.programs.ProgramCache`, in memory and optionally on disk), then compares the
 analytical model and the DES on it (``hwmodels.des.validate.compare``) and gathers a
 :class:`~partir_emu.hwmodels.des.validate.ValidationReport`.
 
@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
-from partir_emu.app.atomic import atomic_path
 from partir_emu.app.experiment import Experiment
+from partir_emu.app.programs import ProgramCache
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.errors import ArtifactError, PartirError
+from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des.validate import MAX_MAX, MEDIAN_MAX, Case, CaseResult, ValidationReport, compare
 from partir_emu.hwmodels.links import Router, link_factors
@@ -162,55 +160,14 @@ def get_suite(name: str) -> tuple[Case, ...]:
 
 
 # -- lowering (the only step that needs the compiler; Experiment.lower imports it) -----------------
-class ProgramCache:
-    """Lowered SpmdPrograms per (scenario, preset, overrides, strategy, mesh); on disk too if ``directory``."""
-
-    def __init__(self, directory: str | os.PathLike | None = None) -> None:
-        self.directory = Path(directory) if directory else None
-        self._mem: dict[tuple, Any] = {}
-        self.lower_s = 0.0
-
-    def get(self, case: Case) -> SpmdProgram:
-        key = (case.scenario, case.preset, case.overrides, case.strategy, case.mesh)
-        hit = self._mem.get(key)
-        if hit is not None:
-            return hit
-        path = None
-        if self.directory is not None:
-            name = "_".join(str(k).replace("/", "-").replace(",", "-").replace("=", "") for k in key) + ".json"
-            path = self.directory / name
-            spmd = _load_cached(path)
-            if spmd is not None:
-                self._mem[key] = spmd
-                return spmd
-        t0 = time.perf_counter()
-        spmd = Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh), case.preset, case.overrides).lower().spmd
-        self.lower_s += time.perf_counter() - t0
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(path) as tmp:     # a concurrent reader sees the old entry or the whole new one
-                spmd.save(tmp)
-        self._mem[key] = spmd
-        return spmd
-
-
-def _load_cached(path: Path) -> SpmdProgram | None:
-    """The cached program at ``path``; None when there is none, or (with a one-line warning) when it is
-    unreadable, e.g. truncated by a killed writer: it is then lowered again and rewritten."""
-    if not path.is_file():
-        return None
-    try:
-        return SpmdProgram.load(path)
-    except (ArtifactError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        print(f"partir-emu validate: warning: ignoring unreadable cache entry {path} ({why}); lowering it again",
-              file=sys.stderr)
-        return None
+def case_program(case: Case, programs: ProgramCache) -> SpmdProgram:
+    """The lowered program of ``case``, from (or into) ``programs`` (:mod:`partir_emu.app.programs`)."""
+    return programs.spmd(Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh), case.preset, case.overrides))
 
 
 def run_case(case: Case, programs: ProgramCache, analyzer: Analyzer | None = None, **des_kw: Any) -> CaseResult:
     """Lower (or reuse) the program of ``case`` and compare the two models on it."""
-    return compare(case, programs.get(case), analyzer, **des_kw)
+    return compare(case, case_program(case, programs), analyzer, **des_kw)
 
 
 def run_suite(cases: Sequence[Case] | str = "default", *, cache_dir: str | os.PathLike | None = None,
@@ -343,5 +300,5 @@ def _check_conditions(case: Case, mesh: Mesh) -> None:
     Router(topology, link_factors(topology, case.degraded_links, case.failed_links))
 
 
-__all__ = ["MAX_MAX", "MEDIAN_MAX", "SUITES", "Case", "CaseResult", "ProgramCache", "ValidationError",
+__all__ = ["MAX_MAX", "MEDIAN_MAX", "SUITES", "Case", "CaseResult", "ValidationError",
            "ValidationReport", "check_case", "get_suite", "parse_cases", "read_cases", "run_case", "run_suite"]

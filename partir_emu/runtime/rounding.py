@@ -99,16 +99,17 @@ def sum_rounding(eqn: Eqn, operands: Sequence[Any], counts: dict | None = None) 
     depends on the shapes only, not on the data), by equation and operand shapes."""
     entry = get(eqn.prim)
     assert entry is not None and entry.impl is not None and entry.summands, eqn.prim
+    impl, summands = entry.impl, entry.summands
     arrays = [np.asarray(a.value, np_dtype(a.dtype)) if isinstance(a, Literal) else np.asarray(a) for a in operands]
     params = {**eqn.params, "preferred_element_type": None} if "preferred_element_type" in eqn.params else eqn.params
 
     def summed(f: Any) -> np.ndarray:
-        ops = [f(x) if k in entry.summands else x for k, x in enumerate(arrays)]
+        ops = [f(x) if k in summands else x for k, x in enumerate(arrays)]
         with np.errstate(all="ignore"):
-            return np.asarray(entry.impl(*ops, **params), np.float64)
+            return np.asarray(impl(*ops, **params), np.float64)
 
     squares = summed(lambda x: np.square(x.astype(np.float64)))
-    key = (id(eqn), tuple(x.shape for x in arrays)) if len(entry.summands) == len(arrays) else None
+    key = (id(eqn), tuple(x.shape for x in arrays)) if len(summands) == len(arrays) else None
     count = counts.get(key) if counts is not None and key is not None else None
     if count is None:
         count = summed(lambda x: np.ones(x.shape, np.float64))

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import lowered  # noqa: F401  (re-exported: the MPI tests' name for it)
+
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,15 +24,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.mpi)
             if not MPIEXEC.exists():
                 item.add_marker(pytest.mark.skip(reason=f"no mpiexec at {MPIEXEC}; pip install mpich mpi4py"))
-
-
-@functools.cache
-def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = None):
-    """(Experiment, SpmdProgram) — lowered once per session."""
-    from partir_emu.app.experiment import Experiment
-    from partir_emu.core.mesh import Mesh
-    exp = Experiment(scenario, strategy, Mesh.parse(mesh), None, overrides)
-    return exp, exp.lower().spmd
 
 
 @functools.cache

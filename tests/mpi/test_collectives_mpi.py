@@ -17,9 +17,7 @@ WORKER = Path(__file__).with_name("_coll_worker.py")
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to the interpreter")
 @pytest.mark.parametrize("ranks,k,placement,native", [
-    (2, 1, "block", True),
     (4, 1, "block", True),
-    (8, 1, "cyclic", True),
     (2, 4, "block", True),
     (4, 4, "cyclic", True),
     (8, 4, "block", False),
