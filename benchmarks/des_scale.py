@@ -63,7 +63,7 @@ def t48_case(chips: int, aggregate: bool, placement: str = "default") -> dict:
     from partir_emu.core.mesh import Mesh
     from partir_emu.hwmodels.analytical import Analyzer
     from partir_emu.hwmodels.des import simulate_des
-    from partir_emu.hwmodels.placement_search import resolve_placement
+    from partir_emu.hwmodels.machine.search import resolve_placement
     t0 = time.perf_counter()
     spmd = Experiment("transformer", "bp+mp+z3", Mesh(batch=chips // 8, model=8), "t48").lower().spmd
     lower_s = time.perf_counter() - t0

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import partir_emu as pe  # noqa: E402
-from partir_emu.compiler.api import lower_program  # noqa: E402
+from partir_emu.compiler.api import partition_and_lower  # noqa: E402
 from partir_emu.core.loops import static_eqn_count  # noqa: E402
 from partir_emu.hwmodels.analytical import Analyzer, simulate  # noqa: E402
 from scenarios.common import get_scenario  # noqa: E402
@@ -66,7 +66,7 @@ def measure(form: str, args: argparse.Namespace) -> dict:
     # would time the cache (for us and for the anchor)
     t_trace, prog = _median(lambda: pe.trace(SC.make_step(cfg), *inputs), args.repeats)
     schedule = SC.strategies[args.strategy](mesh, cfg)
-    t_lower, low = _median(lambda: lower_program(prog, mesh, schedule, state_outputs={"1": "params", "2": "opt"}),
+    t_lower, low = _median(lambda: partition_and_lower(prog, mesh, schedule, state_outputs={"1": "params", "2": "opt"}),
                            args.repeats)
     # a fresh Analyzer per call: a cold price (program analysis, fusion, schedule), as for a new program
     t_price, rep = _median(lambda: simulate(low.spmd, "tpu-v4", overlap=True, analyzer=Analyzer()), args.repeats)

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from partir_emu.app.cli.simulate import model_flops_per_device  # noqa: E402
 from partir_emu.app.experiment import Experiment  # noqa: E402
-from partir_emu.app.simulate_cli import model_flops_per_device  # noqa: E402
 from partir_emu.core.mesh import Mesh  # noqa: E402
 from partir_emu.hwmodels.analytical import simulate  # noqa: E402
 from scenarios.common import get_scenario, list_scenarios  # noqa: E402

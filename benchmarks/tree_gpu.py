@@ -15,7 +15,7 @@ Closed forms (``A``: the route's latency, ``B``: 50 GB/s, ``N``: bytes):
   children share a parent's NIC and that members run ahead of one another.
 
 The analytical model prices uneven steps by the members' asynchronous critical path
-(:mod:`partir_emu.hwmodels.async_steps`); the DES runs them.
+(:mod:`partir_emu.hwmodels.network.async_steps`); the DES runs them.
 
     python benchmarks/tree_gpu.py [--nodes 2 4 8 16] [--kib 4 64 256 1024 4096] [--all]
 """

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 
 from partir_emu.compiler import api as compiler_api
-from partir_emu.compiler.auto_space import Price
+from partir_emu.compiler.auto.space import Price
 from partir_emu.compiler.tactics import AutomaticPartition, CostModel, Tactic
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
-from partir_emu.hwmodels.specs import load_spec
+from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.local_mesh import LocalMesh
 
@@ -43,7 +43,7 @@ def _jax() -> Any:
 
 def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> Program:
     """Trace ``fn`` on example (or abstract) arguments into a Program (imports jax)."""
-    from partir_emu.compiler.trace import trace as trace_jaxpr  # here: it imports jax (see _jax)
+    from partir_emu.compiler.tracing.trace import trace as trace_jaxpr  # here: it imports jax (see _jax)
     return trace_jaxpr(fn, *args, arg_names=arg_names)
 
 
@@ -68,7 +68,7 @@ def analytical_cost(tactic: AutomaticPartition) -> Callable[[SpmdProgram], Price
 
 
 @dataclass
-class Lowered(compiler_api.Lowered):
+class Lowered(compiler_api.Partitioned):
     """A lowered program that can also run on the in-process mesh; ``in_tree``/``out_tree`` are
     the argument and result pytrees when it came from :func:`jit`."""
 
@@ -87,9 +87,9 @@ class Lowered(compiler_api.Lowered):
 def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
                   state_outputs: dict[str, str] | None = None,
                   cost_model: CostModel | None = analytical_cost) -> Lowered:
-    """:func:`partir_emu.compiler.api.lower_program` with the analytical cost model by default."""
-    low = compiler_api.lower_program(program, mesh, schedule, state_outputs, cost_model)
-    return Lowered(low.program, low.schedule, low.final_state, low.spmd, low.cost_model, low.state_outputs)
+    """:func:`partir_emu.compiler.api.partition_and_lower` with the analytical cost model by default,
+    as a :class:`Lowered`."""
+    return compiler_api.partition_and_lower(program, mesh, schedule, state_outputs, cost_model, result=Lowered)
 
 
 BACKENDS = ("local", "mpi")

@@ -36,13 +36,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
-from partir_emu.compiler.trace import input_names
+from partir_emu.compiler.tracing.trace import input_names
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.errors import ArgumentError, MeshError, ShardingError
 
 if TYPE_CHECKING:
-    from partir_emu.compiler.api import Lowered
+    from partir_emu.compiler.api import Partitioned as Lowered
 
 __all__ = ["JaxShardings", "to_jax", "jax_mesh", "partition_spec", "partition_specs", "from_partition_specs"]
 

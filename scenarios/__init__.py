@@ -9,17 +9,10 @@
 """
 from __future__ import annotations
 
-from scenarios.common import (
-    ParamKind,
-    Scenario,
-    adam_init,
-    adam_update,
-    get_scenario,
-    input_names,
-    list_scenarios,
-    resolve_size,
-)
+from scenarios.common import ParamKind, Scenario, get_scenario, list_scenarios, resolve_size
 from scenarios.strategies import data_axes
+from scenarios.training import adam_init, adam_update
+from scenarios.trees import input_names
 
 __all__ = ["Scenario", "ParamKind", "get_scenario", "list_scenarios", "resolve_size", "adam_init", "adam_update",
            "input_names", "data_axes"]

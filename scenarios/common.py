@@ -32,12 +32,13 @@ import numpy as np
 from partir_emu.compiler.tactics import ManualPartition
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
+from scenarios.training import adam_init
+from scenarios.trees import input_names, leaves, map_leaves, map_shapes, path_name
 
 Config = dict[str, Any]      # size name -> int (sizes, 0/1 switches) or str (choices, e.g. precision="bf16")
 Strategy = Callable[..., list[ManualPartition]]
 
 MODEL_AXIS = "model"
-ARG_NAMES = ("params", "opt", "batch")
 
 
 # -- the scenario record ------------------------------------------------------------------------
@@ -119,11 +120,11 @@ class Scenario:
         """The state as a nested dict of ``(shape, dtype)`` (numpy only, nothing allocated)."""
         if self.state_shapes is not None:
             return self.state_shapes(cfg)
-        moments = _map_shapes(self.param_shapes(cfg), lambda s: (tuple(s), np.float32))
+        moments = map_shapes(self.param_shapes(cfg), lambda s: (tuple(s), np.float32))
         return {"mu": moments, "nu": dict(moments), "count": ((), np.int32)}
 
     def state_bytes(self, cfg: Config) -> int:
-        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in _leaves(self.state_layout(cfg)))
+        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in leaves(self.state_layout(cfg)))
 
     # -- inputs ----------------------------------------------------------------------------
     def make_inputs(self, cfg: Config, seed: int = 0) -> tuple[dict, dict, dict]:
@@ -142,9 +143,9 @@ class Scenario:
             return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
 
         pdtype = np.float32 if self.param_dtype is None else self.param_dtype(cfg)
-        params = _map_shapes(self.param_shapes(cfg), lambda s: sds(s, pdtype))
-        state = _map_leaves(self.state_layout(cfg), lambda sd: sds(*sd))
-        batch = _map_leaves(self.batch_shapes(cfg), lambda sd: sds(*sd))
+        params = map_shapes(self.param_shapes(cfg), lambda s: sds(s, pdtype))
+        state = map_leaves(self.state_layout(cfg), lambda sd: sds(*sd))
+        batch = map_leaves(self.batch_shapes(cfg), lambda sd: sds(*sd))
         return params, state, batch
 
     def input_names(self, cfg: Config) -> list[str]:
@@ -157,7 +158,7 @@ class Scenario:
         out = {}
         for arg, tree in zip(self.arg_names, self.abstract_inputs(cfg)):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                out[_path_name(arg, path)] = tuple(leaf.shape)
+                out[path_name(arg, path)] = tuple(leaf.shape)
         return out
 
     # -- sizes and strategies --------------------------------------------------------------
@@ -184,42 +185,6 @@ class Scenario:
             if self.carries(name, Mesh.parse(mesh)):
                 return mesh
         raise ScenarioError(f"no mesh of {list(meshes)} carries {self.name} {name}; give one with the axes it needs")
-
-
-def _map_shapes(tree: dict, fn: Callable) -> dict:
-    return {k: (_map_shapes(v, fn) if isinstance(v, dict) else fn(v)) for k, v in tree.items()}
-
-
-def _map_leaves(tree: dict, fn: Callable) -> dict:
-    return {k: (_map_leaves(v, fn) if isinstance(v, dict) else fn(v)) for k, v in tree.items()}
-
-
-def _leaves(tree: dict) -> list:
-    return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
-
-
-def _path_name(arg: str, path: Sequence[Any]) -> str:
-    parts = [arg]
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def input_names(params: Any, opt: Any, batch: Any, *, arg_names: Sequence[str] = ARG_NAMES) -> list[str]:
-    """Input names the compiler gives the step's flattened arguments:
-    argument name (``arg_names``: a scenario's are ``Scenario.arg_names``), then the pytree path
-    joined by ``/``."""
-    import jax
-
-    names = []
-    for arg, tree in zip(arg_names, (params, opt, batch)):
-        names += [_path_name(arg, p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    return names
 
 
 def count_params(shapes: dict) -> int:
@@ -314,73 +279,6 @@ def _as_positive_int(raw: Any) -> int | None:
 
 # -- Adam, by hand ---------------------------------------------------------------------------------
 
-def init_params(shapes: dict, rng: np.random.Generator) -> dict:
-    """Parameters for a nested dict of shapes: leaves named ``scale`` are ones, other vectors
-    (biases, norm biases) zeros, matrices and kernels ~ N(0, 1/fan_in) with fan_in the product of
-    all dims but the last (a matrix's rows, a conv kernel's window × input channels)."""
-    def init(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name == "scale":
-            return np.ones(shape, np.float32)
-        if len(shape) == 1:
-            return np.zeros(shape, np.float32)
-        return (rng.standard_normal(shape) / math.sqrt(math.prod(shape[:-1]))).astype(np.float32)
-
-    def walk(tree: dict) -> dict:
-        return {k: walk(v) if isinstance(v, dict) else init(k, tuple(v)) for k, v in tree.items()}
-    return walk(shapes)
-
-
-def adam_init(params: Any) -> dict:
-    """``{"mu": zeros like params, "nu": zeros like params, "count": int32 0}``.
-
-    Works on numpy arrays (returns numpy, without importing jax: MPI ranks build
-    their inputs this way) and on jax arrays/tracers (returns jax).
-    """
-    def leaves(t):
-        return [x for v in t.values() for x in leaves(v)] if isinstance(t, dict) else [t]
-
-    if all(isinstance(x, np.ndarray) for x in leaves(params)):
-        def zeros(t):
-            return _map_leaves(t, lambda x: np.zeros(x.shape, x.dtype)) if isinstance(t, dict) \
-                else np.zeros(t.shape, t.dtype)
-        return {"mu": zeros(params), "nu": zeros(params), "count": np.zeros((), np.int32)}
-    import jax
-    import jax.numpy as jnp
-    return {"mu": jax.tree.map(jnp.zeros_like, params), "nu": jax.tree.map(jnp.zeros_like, params),
-            "count": jnp.zeros((), jnp.int32)}
-
-
-def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False) -> Any:
-    """``(params, opt, batch) -> (loss, new_params, new_opt)``: value_and_grad of ``loss_fn`` then
-    :func:`adam_update`; with ``grads_only`` stopped before the optimizer: ``-> (loss, grads)``."""
-    import jax
-
-    def step(params, opt, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        if grads_only:
-            return loss, grads
-        new_params, new_opt = adam_update(grads, opt, params, lr=lr)
-        return loss, new_params, new_opt
-
-    return step
-
-
-def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: float = 0.9,
-                b2: float = 0.999, eps: float = 1e-8) -> tuple[Any, dict]:
-    """One Adam step with bias correction. Returns ``(new_params, new_state)``."""
-    import jax
-    import jax.numpy as jnp
-
-    count = state["count"] + jnp.int32(1)
-    t = count.astype(jnp.float32)
-    # b ** t written as exp(t * log b): only exp and mul, no pow.
-    bc1 = 1.0 - jnp.exp(t * np.float32(math.log(b1)))
-    bc2 = 1.0 - jnp.exp(t * np.float32(math.log(b2)))
-    mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state["mu"], grads)
-    nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), state["nu"], grads)
-    new_params = jax.tree.map(lambda p, m, v: p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + eps), params, mu, nu)
-    return new_params, {"mu": mu, "nu": nu, "count": count}
-
 
 # -- strategies ------------------------------------------------------------------------------------
 
@@ -393,10 +291,10 @@ STATE_OUTPUTS = {"1": "params", "2": "opt"}
 
 _MODULES = {
     "mlp": "scenarios.mlp",
-    "transformer": "scenarios.transformer",
-    "inference": "scenarios.inference",
-    "unet": "scenarios.unet",
-    "gns": "scenarios.gns",
+    "transformer": "scenarios.transformer.scenario",
+    "inference": "scenarios.inference.scenario",
+    "unet": "scenarios.unet.scenario",
+    "gns": "scenarios.gns.scenario",
 }
 
 

@@ -30,8 +30,9 @@ import math
 
 import numpy as np
 
-from scenarios.common import Config, ParamKind, Scenario, train_step
+from scenarios.common import Config, ParamKind, Scenario
 from scenarios.strategies import make_strategies
+from scenarios.training import train_step
 
 SIZE_NAMES = ("batch", "d_in", "hidden", "d_out", "layers")
 

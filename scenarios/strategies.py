@@ -21,7 +21,7 @@ def data_axes(mesh: Mesh) -> list[str]:
     return [a for a in mesh.axis_names if a != MODEL_AXIS]
 
 
-def _check_mesh(mesh: Mesh, strategy: str, *, need_data: bool, need_model: bool) -> None:
+def check_mesh(mesh: Mesh, strategy: str, *, need_data: bool, need_model: bool) -> None:
     if not isinstance(mesh, Mesh):
         raise ScenarioError(f"strategy {strategy!r} takes a partir_emu Mesh, got {mesh!r}")
     if need_model and MODEL_AXIS not in mesh.axis_names:
@@ -92,7 +92,7 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     use_auto = "auto" in parts
     zero = "z3" if "z3" in parts else "z2" if "z2" in parts else None
     use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
-    _check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_emb or use_auto)
+    check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_emb or use_auto)
     daxes = data_axes(mesh)
     if callable(kinds):
         kinds = tuple(kinds(cfg, mesh.axis_size(MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1))
@@ -123,26 +123,35 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
                                           hardware="tpu-v4"))
 
     if zero is not None:
-        for ax in daxes:
-            size = mesh.axis_size(ax)
-            inputs = {}
-            for k in kinds:
-                if k.rank == 0:
-                    continue
-                d = _zero_dim(k, _model_dim(k, use_mp, use_emb), size, tiled[k.pattern],
-                              shapes[k.pattern] if shapes else None)
-                if d is None:
-                    continue
-                tiled[k.pattern][d] = tiled[k.pattern].get(d, 1) * size
-                if zero == "z3":
-                    inputs[f"params/{k.pattern}"] = d
-                inputs[f"opt/*/{k.pattern}"] = d
-            if zero == "z2":
-                # ZeRO-2 keeps parameters replicated: without the pin, propagation would carry
-                # the optimizer-state tiling backward through the update into the parameters.
-                inputs["params/*"] = REPLICATED
-            if inputs:
-                tactics.append(ManualPartition(inputs, axis=ax, name=f"{zero}:{ax}"))
+        tactics += _zero_tactics(zero, mesh, kinds, shapes, tiled, use_mp, use_emb)
+    return tactics
+
+
+def _zero_tactics(zero: str, mesh: Mesh, kinds: Sequence[ParamKind], shapes: dict | None,
+                  tiled: dict[str, dict[int, int]], use_mp: bool, use_emb: bool) -> list[ManualPartition]:
+    """ZeRO-2/3's tactics, one per data axis (see :func:`build_strategy`); ``tiled`` is updated."""
+    tactics: list[ManualPartition] = []
+    daxes = data_axes(mesh)
+    for ax in daxes:
+        size = mesh.axis_size(ax)
+        inputs = {}
+        for k in kinds:
+            if k.rank == 0:
+                continue
+            d = _zero_dim(k, _model_dim(k, use_mp, use_emb), size, tiled[k.pattern],
+                          shapes[k.pattern] if shapes else None)
+            if d is None:
+                continue
+            tiled[k.pattern][d] = tiled[k.pattern].get(d, 1) * size
+            if zero == "z3":
+                inputs[f"params/{k.pattern}"] = d
+            inputs[f"opt/*/{k.pattern}"] = d
+        if zero == "z2":
+            # ZeRO-2 keeps parameters replicated: without the pin, propagation would carry
+            # the optimizer-state tiling backward through the update into the parameters.
+            inputs["params/*"] = REPLICATED
+        if inputs:
+            tactics.append(ManualPartition(inputs, axis=ax, name=f"{zero}:{ax}"))
     return tactics
 
 

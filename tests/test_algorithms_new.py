@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from partir_emu.app.simulate_cli import parse_algorithms
+from partir_emu.app.cli.simulate import parse_algorithms
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.local import run_schedule
 from partir_emu.collectives.schedule import validate_schedule
@@ -23,9 +23,9 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels import load_spec, place, simulate
-from partir_emu.hwmodels.algorithm_choice import candidate_names
-from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des import simulate_des
+from partir_emu.hwmodels.network.choice import candidate_names
+from partir_emu.hwmodels.network.comm import CommModel
 from partir_emu.runtime.local_mesh import LocalMesh
 
 REL = 1e-9

@@ -13,10 +13,10 @@ import pytest
 
 from partir_emu import AutomaticPartition, ManualPartition, Mesh
 from partir_emu.api import analytical_cost, lower_program
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from partir_emu.app.experiment import Experiment, verify
 from partir_emu.errors import TacticError
-from partir_emu.hwmodels.memory import peak_memory
+from partir_emu.hwmodels.compute.memory import peak_memory
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.common import STATE_OUTPUTS
 
@@ -235,7 +235,7 @@ def test_polish_generalises_a_decision_to_its_role_and_drops_decisions():
     """The local descent after the tree (compiler.auto_search.polish): a family's role is the last two
     components of its glob, so one block's convolution decision extends to every block's; its moves
     are those generalisations first, then each decision dropped."""
-    from partir_emu.compiler.auto_search import role
+    from partir_emu.compiler.auto.search import role
     assert role("params/up_*/block_*/conv2/w [3, 3, 256, 256]") == "conv2/w" == role("params/down_1/block_0/conv2/w")
     assert role("params/mid/block_*/conv1/w") != role("params/mid/block_*/conv2/w")
     assert role("batch/edges") == "batch/edges"

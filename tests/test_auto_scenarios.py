@@ -11,7 +11,7 @@ import pytest
 
 import partir_emu as pe
 from partir_emu.api import analytical_cost
-from partir_emu.compiler.api import lower_program
+from partir_emu.compiler.api import partition_and_lower
 from partir_emu.compiler.tactics import AutomaticPartition
 from partir_emu.errors import ScenarioError
 from scenarios.common import get_scenario
@@ -47,7 +47,7 @@ def test_bp_auto_is_priced_no_higher_than_any_manual_strategy(scenario, preset, 
     schedule = sc.strategies["bp+auto"](mesh, cfg)
     auto = next(t for t in schedule if isinstance(t, AutomaticPartition))
     price = analytical_cost(auto)
-    low = lower_program(prog, mesh, schedule, dict(sc.state_outputs), cost_model=analytical_cost)
+    low = partition_and_lower(prog, mesh, schedule, dict(sc.state_outputs), cost_model=analytical_cost)
     got = price(low.spmd)
     manual = {}
     for s in _manual(sc):
@@ -55,7 +55,7 @@ def test_bp_auto_is_priced_no_higher_than_any_manual_strategy(scenario, preset, 
             tactics = sc.strategies[s](mesh, cfg)
         except ScenarioError:           # needs another mesh axis (unet's bp+spatial: a 'spatial' axis)
             continue
-        manual[s] = price(lower_program(prog, mesh, tactics, dict(sc.state_outputs)).spmd)
+        manual[s] = price(partition_and_lower(prog, mesh, tactics, dict(sc.state_outputs)).spmd)
     assert manual, scenario
     fitting = {s: p for s, p in manual.items() if p.peak_bytes <= p.capacity}
     best = min(fitting.values() or manual.values(), key=lambda p: p.value)

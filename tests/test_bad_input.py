@@ -5,7 +5,7 @@ exit status 2, exactly one line on stderr, no "Traceback", and — where the che
 i.e. before anything is lowered — within a few seconds. A hypothesis fuzz test throws random
 argument lists (real subcommands and flags with junk values) at the CLI and asserts exit
 0, 1 or 2 and no traceback. Then: exit status 3 for internal errors, atomic reports and
-caches, the memory estimate, progress lines. All in-process (``partir_emu.app.cli.main``).
+caches, the memory estimate, progress lines. All in-process (``partir_emu.app.cli.main.main``).
 """
 from __future__ import annotations
 
@@ -21,15 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partir_emu.app import checks, cli
+from partir_emu.app import checks
 from partir_emu.app.atomic import write_json_atomic
-from partir_emu.app.cli import main
+from partir_emu.app.cli import main as cli
+from partir_emu.app.cli.main import main
+from partir_emu.app.cli.phases import Phases, announce
 from partir_emu.app.common import experiment_from_args
-from partir_emu.app.phases import Phases, announce
 from partir_emu.app.programs import ProgramCache
-from partir_emu.app.validate_cases import Case, case_program
+from partir_emu.app.validation.cases import Case, case_program
 from partir_emu.compiler import api as compiler_api
-from partir_emu.hwmodels.specs import DATA_DIR
+from partir_emu.hwmodels.machine.specs import DATA_DIR
 
 T = "--size tiny --mesh batch=2,model=2"
 

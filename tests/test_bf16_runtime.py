@@ -198,7 +198,7 @@ def test_bf16_all_reduce_rounds_each_step(algorithm):
 
 
 def test_bf16_arrays_survive_job_files(tmp_path):
-    from partir_emu.runtime.jobs import load_inputs, read_job_result, save_inputs, write_job_result
+    from partir_emu.mpi.jobs import load_inputs, read_job_result, save_inputs, write_job_result
     a = np.random.default_rng(3).standard_normal((5, 7)).astype(BF16)
     i = np.arange(4, dtype=np.int32)
     save_inputs(tmp_path / "in.npz", ["params/a", "x"], [a, i])

@@ -1,6 +1,6 @@
 """The ``partir-emu`` command line: list, run, show, simulate, hardware, and its errors (exit status 2).
 
-In-process through ``partir_emu.app.cli.main`` (fast), once through the installed console script.
+In-process through ``partir_emu.app.cli.main.main`` (fast), once through the installed console script.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 
 TINY = ["--size", "tiny", "--mesh", "batch=2,model=2"]
 
@@ -182,8 +182,8 @@ def test_bad_input_exits_2_with_the_message(capsys, argv, needle):
 
 
 def test_hardware_module_does_not_import_jax():
-    code = ("import sys, partir_emu.app.simulate_cli, partir_emu.app.cli; "
-            "partir_emu.app.cli.build_parser(); print('jax' in sys.modules)")
+    code = ("import sys, partir_emu.app.cli.simulate, partir_emu.app.cli.main; "
+            "partir_emu.app.cli.main.build_parser(); print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -13,7 +13,7 @@ from jax import lax
 
 import partir_emu
 from partir_emu import ManualPartition, Mesh
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.hwmodels import load_spec, simulate
 from partir_emu.primitives import lookup, rule_for
 from partir_emu.runtime.interpreter import eval_program

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from tests.test_des_model import _check_chrome_trace
 
 

@@ -15,7 +15,7 @@ from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels import Placement, Topology, load_spec, place, simulate
 from partir_emu.hwmodels.des import DesError, simulate_des
-from partir_emu.hwmodels.links import LinkSpecError
+from partir_emu.hwmodels.machine.links import LinkSpecError
 
 A, B = 1e-6, 4.5e10
 MM = (((1,), (0,)), ((), ()))
@@ -159,8 +159,8 @@ def test_pairwise_all_to_all_members_run_ahead(topology):
     Not a closed-form case; the direction is what the test holds."""
     import numpy as np
 
-    from partir_emu.hwmodels.comm import CommModel
     from partir_emu.hwmodels.des import Router, max_min_rates
+    from partir_emu.hwmodels.network.comm import CommModel
 
     if topology == "torus":
         spec = load_spec("tpu-v4")
@@ -177,7 +177,7 @@ def test_pairwise_all_to_all_members_run_ahead(topology):
         pat = router.pattern(np.array([choice.chips[m.src] for m in msgs]), np.array([choice.chips[m.dst] for m in msgs]))
         rates, _ = max_min_rates(pat.links, router.bw)
         lockstep += float((pat.latency_s + np.array([m.nbytes for m in msgs]) / rates).max())
-    # the analytical price is the members' critical path (hwmodels/async_steps.py): early flows take a
+    # the analytical price is the members' critical path (hwmodels/network/async_steps.py): early flows take a
     # share of the slow links, flows that start apart share less; within 1 % of the lock-step sum here
     # (0.2 % below it on the torus), and the DES is slower than lock step
     assert ana.step_s >= 0.99 * lockstep
@@ -354,7 +354,7 @@ def test_failed_link_on_a_2d_torus_sidesteps():
     through the neighbouring row (not 3 hops the other way round x, which ties — BFS takes the first
     found, by link id, deterministically); both directions of a cable fail with A-B."""
     from partir_emu.hwmodels.des import Router
-    from partir_emu.hwmodels.des.routing import link_factors
+    from partir_emu.hwmodels.des.network.routing import link_factors
     topo = torus_topo((4, 4))
     a, b = topo.chip_at((0, 0)), topo.chip_at((1, 0))
     r = Router(topo, link_factors(topo, failed=(f"{a}-{b}",)))

@@ -13,13 +13,13 @@ import collections
 import pytest
 
 from partir_emu.app.programs import ProgramCache
-from partir_emu.app.validate_cases import case_program, get_suite
+from partir_emu.app.validation.cases import case_program, get_suite
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import Placement, load_spec
-from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER
+from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des import DesOptions, lockstep
-from partir_emu.hwmodels.des import network as network_mod
 from partir_emu.hwmodels.des.model import Simulation
+from partir_emu.hwmodels.des.network import spans as network_mod
 from tests.test_des_collectives import one_collective, ring_topo
 from tests.test_des_scale import _same
 
@@ -107,7 +107,7 @@ def test_broken_and_cancelled_spans_give_the_reference_answer(watch):
     for case in _cases():
         spmd = case_program(case, programs)
         spec = load_spec(case.hardware, case.spec_overrides()) if case.hw_overrides else load_spec(case.hardware)
-        placement = DEFAULT_ANALYZER.placement(spmd.mesh, spec, case.placement, case.slice_tuple())
+        placement = Analyzer().placement(spmd.mesh, spec, case.placement, case.slice_tuple())
         before = len(nets)
         _same(spmd, spec, placement, overlap=case.overlap, **case.inputs())
         assert nets[before].spans_taken > 0, case

@@ -12,8 +12,8 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import Placement, load_spec, place, simulate
 from partir_emu.hwmodels.des import DesError, DesOptions, simulate_des
 from partir_emu.hwmodels.des.model import Simulation
-from partir_emu.hwmodels.des.progress import Progress
-from partir_emu.hwmodels.links import FaultError
+from partir_emu.hwmodels.des.report import Progress
+from partir_emu.hwmodels.machine.links import FaultError
 from tests.test_des_collectives import ring_topo, torus_topo
 
 pytestmark = pytest.mark.xdist_group("des_model")    # its cached programs and references: made once, on one worker

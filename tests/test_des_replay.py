@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace, write_message_trace
 from partir_emu.errors import ArtifactError
-from partir_emu.hwmodels.des.replay import check_trace, expected_rows, replay
+from partir_emu.hwmodels.validation.replay import check_trace, expected_rows, replay
 
 
 def synthetic(algorithm: str = "ring"):
@@ -93,7 +93,7 @@ def test_real_mpi_trace_matches_the_schedules(tmp_path):
     """The MPI emulator's own trace (one collective per schedule step per group, in-rank copies
     included) has exactly the transfers and bytes the schedules predict, and replays."""
     trace = tmp_path / "mpi.jsonl"
-    cmd = [sys.executable, "-m", "partir_emu.app.cli", "run", "mlp", "--strategy", "bp+mp", "--mesh",
+    cmd = [sys.executable, "-m", "partir_emu.app.cli.main", "run", "mlp", "--strategy", "bp+mp", "--mesh",
            "batch=2,model=2", "--size", "tiny", "--backend", "mpi", "--devices", "4", "--devices-per-rank", "2",
            "--algorithm", "bidir_ring", "--trace-messages", str(trace)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

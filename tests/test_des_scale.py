@@ -12,9 +12,9 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import Placement, load_spec, place
 from partir_emu.hwmodels.des import DesOptions, simulate_des
 from partir_emu.hwmodels.des import classes as classes_mod
-from partir_emu.hwmodels.des import progress as progress_mod
+from partir_emu.hwmodels.des import report as progress_mod
 from partir_emu.hwmodels.des.model import Simulation
-from partir_emu.hwmodels.des.progress import Progress
+from partir_emu.hwmodels.des.report import Progress
 from tests.test_des_collectives import one_collective, ring_topo
 from tests.test_des_model import lowered
 
@@ -171,8 +171,8 @@ def test_flows_due_within_the_resolution_finish_at_the_latest_and_due_flows_are_
     already due is never held back by one started at its completion instant."""
     import simpy
 
-    from partir_emu.hwmodels.des.network import FlowNetwork
-    from partir_emu.hwmodels.des.routing import Router
+    from partir_emu.hwmodels.des.network.routing import Router
+    from partir_emu.hwmodels.des.network.spans import FlowNetwork
     from tests.test_des_collectives import A, B
 
     env = simpy.Environment()

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from partir_emu.app.cli import main
-from partir_emu.app.validate_cases import MAX_MAX, MEDIAN_MAX, SUITES, Case, ValidationError, parse_cases, run_suite
-from partir_emu.hwmodels.des.validate import MECHANISMS, CaseResult, ValidationReport, analytical_inputs, explain
+from partir_emu.app.cli.main import main
+from partir_emu.app.validation.cases import MAX_MAX, MEDIAN_MAX, SUITES, Case, ValidationError, parse_cases, run_suite
+from partir_emu.hwmodels.validation.des import MECHANISMS, CaseResult, analytical_inputs, explain
+from partir_emu.hwmodels.validation.report import ValidationReport
 
 
 @pytest.mark.slow

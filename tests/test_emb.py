@@ -1,5 +1,5 @@
 """Vocab-parallel embeddings (the ``emb`` strategies): a masked local lookup into a vocab-tiled
-table (compiler/indexed.py), its scatter-add gradient applied per block, and a softmax
+table (compiler/lowering/indexed.py), its scatter-add gradient applied per block, and a softmax
 cross-entropy over vocab-tiled logits whose max is a pending max (an all_reduce(max) of
 [batch, seq]), so no collective carries [batch, seq, vocab] or the whole [vocab, d_model] table.
 Reference: ``jax.jit`` of the same function."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import partir_emu as pe
-from partir_emu.compiler.api import lower_program
+from partir_emu.compiler.api import partition_and_lower
 from partir_emu.errors import ScenarioError
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.common import STATE_OUTPUTS, get_scenario
@@ -107,7 +107,7 @@ def test_transformer_emb_strategies_verify_and_move_no_vocab_sized_value(strateg
     zeros = jax.tree.map(np.zeros_like, params)
     args = (params, {"mu": zeros, "nu": zeros, "count": np.zeros((), np.int32)}, batch)
     step = SC.make_step(cfg)
-    low = lower_program(pe.trace(step, *args), MESH, SC.strategies[strategy](MESH, cfg), state_outputs=STATE_OUTPUTS)
+    low = partition_and_lower(pe.trace(step, *args), MESH, SC.strategies[strategy](MESH, cfg), state_outputs=STATE_OUTPUTS)
     ours = LocalMesh(MESH).run(low.spmd, jax.tree.leaves(args)).outputs
     ref = jax.tree.leaves(jax.jit(step)(*args))
     tol = 2e-2 if extra.get("precision") == "bf16" else 2e-5

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from partir_emu.core.mesh import Mesh
-from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des import DesOptions
-from partir_emu.hwmodels.des.replay import expected_rows, replay
-from partir_emu.hwmodels.links import link_factors
-from partir_emu.hwmodels.placement import place
-from partir_emu.hwmodels.specs import load_spec
+from partir_emu.hwmodels.machine.links import link_factors
+from partir_emu.hwmodels.machine.placement import place
+from partir_emu.hwmodels.machine.specs import load_spec
+from partir_emu.hwmodels.network.comm import CommModel
+from partir_emu.hwmodels.validation.replay import expected_rows, replay
 
 
 def _trace():
@@ -53,9 +53,9 @@ def test_early_next_step_messages_on_a_slow_nic_are_priced(monkeypatch):
     shares GPU 0's slow inbound link with the message GPU 0 still waits for (measured in the DES:
     0.482 ms for that step instead of 0.322). The analytical price follows (async_steps); without the
     early messages' share it is the lock-step 1.221 ms against the DES's 1.541 ms."""
-    from partir_emu.hwmodels import async_steps
     from partir_emu.hwmodels.analytical import Analyzer, simulate
     from partir_emu.hwmodels.des import simulate_des
+    from partir_emu.hwmodels.network import async_steps
     spmd = _one_all_reduce(32, 64_000_000)
     slow = {"0-leaf0": 0.25}
     des = simulate_des(spmd, "h100", algorithms="rail", degraded_links=slow)
@@ -74,11 +74,11 @@ def test_early_next_step_messages_on_a_slow_nic_are_priced(monkeypatch):
 def test_messages_step_by_step_equal_the_whole_table(kind, shape, alg, dpn):
     """Large tables are merged one step shape at a time (memory); the result is the one-pass merge's."""
     from partir_emu.collectives.algorithms import build_schedule
-    from partir_emu.hwmodels import contention
+    from partir_emu.hwmodels.network import messages
     n = 3 * 1024 * 1024 + (12 if kind == "all_reduce" else 0)      # all_reduce: uneven chunks
     sched = build_schedule(kind, shape, n, alg, itemsize=4, devices_per_node=dpn)
-    whole = contention._messages(sched)
-    step = contention._messages_by_step(sched)
+    whole = messages._messages(sched)
+    step = messages._messages_by_step(sched)
     assert whole.p == step.p
     for a in ("ptr", "pair", "nbytes"):
         np.testing.assert_array_equal(getattr(whole, a), getattr(step, a))

@@ -12,12 +12,12 @@ import statistics
 
 import pytest
 
-from partir_emu.app.cli import main
-from partir_emu.app.fidelity import MAX_TARGET_PCT, MEDIAN_TARGET_PCT, run_cases
-from partir_emu.app.fidelity_data import CONVENTIONS, FidelityDataError, load_cases, select
+from partir_emu.app.cli.main import main
 from partir_emu.app.programs import ProgramCache
+from partir_emu.app.validation.fidelity import MAX_TARGET_PCT, MEDIAN_TARGET_PCT, run_cases
+from partir_emu.app.validation.fidelity_data import CONVENTIONS, FidelityDataError, load_cases, select
 from partir_emu.errors import PartirError
-from partir_emu.hwmodels.specs import load_spec
+from partir_emu.hwmodels.machine.specs import load_spec
 from scenarios import get_scenario
 
 pytestmark = pytest.mark.xdist_group("fidelity")    # its cached programs and references: made once, on one worker
@@ -246,7 +246,7 @@ def test_required_cases_meet_the_accuracy_targets(required_report):
 def test_fitted_matmul_fraction_is_what_the_fit_gives(chip):
     """A spec whose matmul fraction says "fit" carries the value `partir-emu fidelity --fit` computes
     from the data file (so the constant is a documented fit to published runs, not a free knob)."""
-    from partir_emu.app.calibrate import fit_fraction
+    from partir_emu.app.validation.calibrate import fit_fraction
     from partir_emu.hwmodels.analytical import Analyzer
 
     analyzer = Analyzer()

@@ -1,4 +1,4 @@
-"""The ``gns`` scenario (scenarios/gns.py): every strategy equals the unpartitioned jax.jit on the
+"""The ``gns`` scenario (scenarios/gns/scenario.py): every strategy equals the unpartitioned jax.jit on the
 in-process mesh; ``edge`` resolves the node aggregation with one reduce over the edge axes per
 message-passing step and moves no edge-sized array; ``node`` all-gathers the node latents once per
 step; the closed-form parameter count and model FLOPs match the traced program; the full presets
@@ -20,8 +20,9 @@ from partir_emu.errors import ScenarioError
 from partir_emu.hwmodels import simulate
 from partir_emu.hwmodels.des import simulate_des
 from partir_emu.runtime.local_mesh import LocalMesh
-from scenarios import gns, gns_model
 from scenarios.common import STATE_OUTPUTS, count_params
+from scenarios.gns import model as gns_model
+from scenarios.gns import scenario as gns
 
 pytestmark = pytest.mark.xdist_group("gns")    # its cached programs and references: made once, on one worker
 

@@ -1,6 +1,6 @@
 """Spatial partitioning with halo exchanges (issue 11, item 2): a tiled spatial dim of a conv or a
 pooling window is lowered to a ``collective_permute`` of the border rows to the neighbours, a
-concatenate and the local equation (``partir_emu/compiler/halo.py``, whose docstring defines the
+concatenate and the local equation (``partir_emu/compiler/lowering/halo.py``, whose docstring defines the
 count: one *exchange* per equation and tiled spatial dim = at most one permute per direction).
 
 - the block geometry (halos, local padding) against numpy windows of the whole operand;
@@ -25,7 +25,7 @@ from jax import lax
 
 import partir_emu
 from partir_emu import ManualPartition, Mesh
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.core.factors import FactorRule
 from partir_emu.hwmodels import load_spec, simulate
 from partir_emu.hwmodels.des import simulate_des
@@ -303,7 +303,7 @@ def test_tiled_features_are_bit_identical_to_the_unpartitioned_program_with_the_
 def test_the_exact_kernel_sums_in_a_fixed_order():
     """The exact matmul is the k-ordered sum of rounded products, so a block of rows equals those
     rows of the whole product bit for bit, and it agrees with BLAS to rounding."""
-    from partir_emu.primitives.matmul import exact_matmul
+    from partir_emu.primitives.dot import exact_matmul
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((2, 37, 300), np.float32), rng.standard_normal((2, 300, 19), np.float32)
     whole = exact_matmul(a, b)

@@ -13,9 +13,9 @@ from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import UnsupportedPrimitiveError
 from partir_emu.hwmodels import cost_rules, load_spec, peak_memory, simulate
-from partir_emu.hwmodels.costs import eqn_cost
+from partir_emu.hwmodels.compute.costs import eqn_cost
 from partir_emu.hwmodels.des import simulate_des
-from partir_emu.hwmodels.specs import DATA_DIR, spec_from_dict
+from partir_emu.hwmodels.machine.specs import DATA_DIR, spec_from_dict
 
 REL = 1e-9
 MM = (((1,), (0,)), ((), ()))

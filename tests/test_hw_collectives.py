@@ -15,7 +15,7 @@ from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import CollectiveError
 from partir_emu.hwmodels import Placement, Topology, choose_algorithm, load_spec, place, simulate
-from partir_emu.hwmodels.comm import CommModel
+from partir_emu.hwmodels.network.comm import CommModel
 
 A, B = 1e-6, 4.5e10
 REL = 1e-9

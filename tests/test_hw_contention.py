@@ -10,13 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import Placement, load_spec, place, simulate
 from partir_emu.hwmodels.analytical import Analyzer
-from partir_emu.hwmodels.comm import CommModel, price_schedule
 from partir_emu.hwmodels.des import simulate_des
-from partir_emu.hwmodels.links import FaultError, LinkSpecError, link_factors
+from partir_emu.hwmodels.machine.links import FaultError, LinkSpecError, link_factors
+from partir_emu.hwmodels.network.comm import CommModel, price_schedule
 from tests.test_des_collectives import MM, A, B, Prog, one_collective, ring_topo, torus_topo
 
 
@@ -221,8 +221,8 @@ def test_whole_program_with_faults_matches_the_des(faults):
 def test_route_matrix_is_route_for_every_pair(dims, wrap, failed):
     """The array router (torus: dimension order by array operations; failed links: the BFS detour) gives
     exactly the routes of Router.route, for every pair of chips."""
-    from partir_emu.hwmodels.links import Router
-    from partir_emu.hwmodels.topology import Topology
+    from partir_emu.hwmodels.machine.links import Router
+    from partir_emu.hwmodels.machine.topology import Topology
     topo = Topology.torus(dims, wrap, link_bw_bytes_per_s=B, link_latency_s=A)
     n = topo.num_chips
     src, dst = np.repeat(np.arange(n), n), np.tile(np.arange(n), n)

@@ -10,8 +10,8 @@ import tomllib
 
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels import load_spec
-from partir_emu.hwmodels.efficiency import EfficiencySpec, hbm_fraction, matmul_efficiency
-from partir_emu.hwmodels.specs import DATA_DIR, spec_from_dict
+from partir_emu.hwmodels.compute.efficiency import EfficiencySpec, hbm_fraction, matmul_efficiency
+from partir_emu.hwmodels.machine.specs import DATA_DIR, spec_from_dict
 
 PACKAGED = ["a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
 

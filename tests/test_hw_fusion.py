@@ -11,16 +11,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from partir_emu.compiler.trace import trace  # noqa: E402
+from partir_emu.compiler.tracing.trace import trace  # noqa: E402
 from partir_emu.core.ir import Eqn, Program, Var  # noqa: E402
 from partir_emu.core.mesh import Mesh  # noqa: E402
 from partir_emu.core.sharding import Sharding  # noqa: E402
 from partir_emu.core.spmd import SpmdProgram  # noqa: E402
 from partir_emu.hwmodels import load_spec, simulate  # noqa: E402
 from partir_emu.hwmodels.analytical import analyze, compute_times  # noqa: E402
+from partir_emu.hwmodels.compute.efficiency import CompilerSpec  # noqa: E402
+from partir_emu.hwmodels.compute.fusion import FusionPlan
+from partir_emu.hwmodels.compute.kernel_times import group_times
 from partir_emu.hwmodels.des import simulate_des  # noqa: E402
-from partir_emu.hwmodels.efficiency import CompilerSpec  # noqa: E402
-from partir_emu.hwmodels.fusion import FusionPlan, group_times  # noqa: E402
 
 F32 = 4
 TPU = load_spec("tpu-v4").compiler

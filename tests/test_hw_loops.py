@@ -1,7 +1,7 @@
 """The hardware models run ``loop`` equations (core/loops.py): the analytical model prices the body once
 and multiplies, the memory model follows rule 5 of core/analysis.py, the DES runs every iteration.
 
-Iteration semantics (hwmodels/pricing.py, hwmodels/overlap.py): everything of iteration i, its
+Iteration semantics (hwmodels/pricing.py, hwmodels/timeline/overlap.py): everything of iteration i, its
 asynchronous collectives included, completes before iteration i+1 starts (an XLA while loop without
 collective pipelining), and a loop is a barrier of its enclosing program's overlap schedule. So a loop
 program takes exactly the time of its unrolled form (``loops.unroll``) when the unrolled form has
@@ -326,7 +326,7 @@ def test_des_runs_the_loop_and_equals_analytical(name, overlap, hardware):
     assert len(des.collectives) == len(spmd.collectives())
     # rt_nested all-reduces 3 floats over 2 devices: the ring's chunks are uneven (8 and 4 bytes), so its
     # members drift apart; the analytical model prices that by the members' asynchronous critical path
-    # (hwmodels/async_steps.py), which is what the DES runs: every collective and the step agree
+    # (hwmodels/network/async_steps.py), which is what the DES runs: every collective and the step agree
     for a, d in zip(ana.collectives, des.collectives):
         assert a.time_s == pytest.approx(d.duration_s, rel=REL, abs=1e-18), (a, d)
     assert des.step_s == pytest.approx(ana.step_s, rel=REL)
@@ -371,7 +371,7 @@ def test_des_options_on_a_loop(tmp_path):
     assert len(dots) == 3 and len({e["ts"] for e in dots}) == 3
 
 
-# -- a lowered scan transformer (scenarios/transformer.py, layers_as=loop) ------------------------------
+# -- a lowered scan transformer (scenarios/transformer/scenario.py, layers_as=loop) ------------------------------
 @functools.cache
 def _scan_transformer(strategy: str, mesh: str, layers: int) -> SpmdProgram:
     from partir_emu.app.experiment import Experiment  # why: jax, only for this tier of tests

@@ -1,4 +1,4 @@
-"""Overlap as the hardware does it (hwmodels/overlap.py): asynchronous collectives issued by need,
+"""Overlap as the hardware does it (hwmodels/timeline/overlap.py): asynchronous collectives issued by need,
 ZeRO-3 all-gathers prefetched within a budget, gradient reductions behind the backward pass, the
 prefetch buffers in the peak memory, and the DES running the same schedule.
 
@@ -15,9 +15,9 @@ import pytest
 from partir_emu.core.ir import Literal
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import load_spec, simulate
-from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer, compute_times
+from partir_emu.hwmodels.analytical import Analyzer, compute_times
 from partir_emu.hwmodels.des import simulate_des
-from partir_emu.hwmodels.overlap import schedule
+from partir_emu.hwmodels.timeline.overlap import schedule
 from tests.test_hw_analytical import Builder
 
 pytestmark = pytest.mark.xdist_group("hw_overlap")    # its cached programs and references: made once, on one worker
@@ -25,10 +25,12 @@ pytestmark = pytest.mark.xdist_group("hw_overlap")    # its cached programs and 
 REL = 1e-9
 MM = (((1,), (0,)), ((), ()))
 
+ANALYZER = Analyzer()          # one session for the module: analyses kept between its tests
+
 
 def eqn_times(spmd, spec: str, rep) -> np.ndarray:
     """Per-equation seconds as the analytical model priced them (compute, then each collective's row)."""
-    t = compute_times(DEFAULT_ANALYZER.analysis(spmd.program), load_spec(spec))
+    t = compute_times(ANALYZER.analysis(spmd.program), load_spec(spec))
     for r in rep.collectives:
         t[r.index] = r.time_s
     return t
@@ -63,7 +65,7 @@ def test_prefetch_closed_forms(hardware):
     G, T = t[gathers[0]], t[dots[0]]
     assert 0 < G <= T and all(t[g] == G for g in gathers) and all(t[d] == T for d in dots)
     assert plain.step_s == pytest.approx(L * (G + T), rel=REL)
-    plan = DEFAULT_ANALYZER.overlap_plan(spmd.program)
+    plan = ANALYZER.overlap_plan(spmd.program)
     assert plan.default_prefetch_bytes == 1024 * 1024 * 4           # one layer: one [k, k] f32 weight
     default = simulate(spmd, hardware, overlap=True)
     assert default.step_s == pytest.approx(G + L * T, rel=REL)

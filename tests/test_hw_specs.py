@@ -8,7 +8,7 @@ import tomllib
 
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels import list_specs, load_spec
-from partir_emu.hwmodels.specs import DATA_DIR, GpuClusterSpec, TorusSpec
+from partir_emu.hwmodels.machine.specs import DATA_DIR, GpuClusterSpec, TorusSpec
 
 PACKAGED = ["a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
 

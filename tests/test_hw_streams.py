@@ -1,4 +1,4 @@
-"""Several communication streams (hwmodels/streams.py, hwmodels/concurrency.py): one stream rule for the
+"""Several communication streams (hwmodels/timeline/issue.py, hwmodels/network/concurrency.py): one stream rule for the
 analytical schedule and the DES, concurrent collectives sharing links, and agreement with the DES.
 
 Closed forms are written from the standalone prices the model gives (``T``) and the latency part
@@ -14,12 +14,12 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.errors import UsageError
 from partir_emu.hwmodels import simulate
 from partir_emu.hwmodels.analytical import Analyzer
-from partir_emu.hwmodels.comm import CommModel
-from partir_emu.hwmodels.concurrency import Contention, link_use
 from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.des.stream import compile_stream
-from partir_emu.hwmodels.overlap import _issue, schedule
-from partir_emu.hwmodels.streams import issue_streams, round_robin, stream_prereqs
+from partir_emu.hwmodels.network.comm import CommModel
+from partir_emu.hwmodels.network.concurrency import Contention, link_use
+from partir_emu.hwmodels.timeline.issue import issue_one_stream, issue_streams, round_robin, stream_prereqs
+from partir_emu.hwmodels.timeline.overlap import schedule
 from tests.test_hw_analytical import Builder
 
 pytestmark = pytest.mark.xdist_group("hw_streams")    # its cached programs and references: made once, on one worker
@@ -82,8 +82,8 @@ def test_one_stream_is_unchanged(case):
     P = np.concatenate(([0.0], np.cumsum(pr.times * plan._compute)))
     Pev = P[walk.event_pos].tolist()
     tc = pr.times[plan.comm_eqns].tolist()
-    one = _issue(plan, walk.events, walk.keys, Pev, tc)
-    many = issue_streams(plan, walk.events, walk.keys, Pev, tc, 1)
+    one = issue_one_stream(plan.graph, walk.events, walk.keys, Pev, tc)
+    many = issue_streams(plan.graph, walk.events, walk.keys, Pev, tc, 1)
     assert many[2] == one[2] and many[4] == [0] * len(tc)
     assert many[0] == pytest.approx(one[0], rel=1e-12, abs=0) and many[1] == pytest.approx(one[1], rel=1e-12, abs=0)
     assert pr.sched is not None and pr.sched.stream is None and pr.sched.streams == 1

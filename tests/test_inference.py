@@ -1,4 +1,4 @@
-"""The inference scenario: prefill and decode over a KV cache (scenarios/inference.py), its
+"""The inference scenario: prefill and decode over a KV cache (scenarios/inference/scenario.py), its
 strategies (bp, mp, mq) verified against jax.jit on LocalMesh, the MQ layout (the cache stays
 sharded on batch, no collective carries it), the closed forms, and the generalized Scenario
 record (a state argument other than Adam's)."""
@@ -195,7 +195,7 @@ def _split(exp: Experiment, cache_first: bool) -> list:
 
 
 def test_mq_as_two_tactics_gathers_the_cache_or_the_weights():
-    """Why ``mq`` is one tactic (scenarios/inference_strategies.py): heads first, the queries'
+    """Why ``mq`` is one tactic (scenarios/inference/strategies.py): heads first, the queries'
     tiling wins at the attention einsum and the cache is all-gathered there (the check above can
     fail); cache first, the batch tiling takes the residual stream and every attention and MLP
     weight is all-gathered."""

@@ -1,7 +1,7 @@
 """JAX interop: ``to_jax`` shardings compiled by XLA, ``from_partition_specs``, ``compare-xla``.
 
 XLA needs as many devices as the mesh, and jax fixes its CPU device count when its backend
-starts, so every XLA compile runs in a child process (:mod:`partir_emu.app.xla_child`): one
+starts, so every XLA compile runs in a child process (:mod:`partir_emu.app.xla.child`): one
 child for every scenario × strategy, one for the CLI. This process keeps its single device.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 import partir_emu as pe
 from partir_emu.api import lower_program
-from partir_emu.app import cli
-from partir_emu.app.compare_xla import FAST_COMPILE, normalise, run_child, table
-from partir_emu.app.xla_hlo import collectives
+from partir_emu.app.cli import main as cli
+from partir_emu.app.xla.compare import FAST_COMPILE, normalise, run_child, table
+from partir_emu.app.xla.hlo import collectives
 from partir_emu.core.sharding import Sharding
 from partir_emu.errors import ArgumentError, MeshError, ShardingError
 from partir_emu.interop import jax_mesh, partition_spec, partition_specs
@@ -89,7 +89,7 @@ def test_compare_xla_cli_prints_both_sides(tmp_path, capsys, monkeypatch):
 
 
 def test_compare_xla_bad_strategy_is_one_line_exit_2(capsys, monkeypatch):
-    monkeypatch.setattr("partir_emu.app.compare_xla.run_child", lambda *a, **k: pytest.fail("child started"))
+    monkeypatch.setattr("partir_emu.app.xla.compare.run_child", lambda *a, **k: pytest.fail("child started"))
     assert cli.main(["compare-xla", "mlp", "--strategy", "nope", "--mesh", MESH]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope" in err and len(err.splitlines()) == 1
@@ -229,6 +229,6 @@ def test_hlo_collectives_in_every_group_spelling():
 @pytest.mark.parametrize("argv", ["--strategy bp --mesh model=2", "--mesh batch=0", "--timeout 0", "--hlo /",
                                   "--set batch=3", "--size full --run", "--mesh batch=2048"])
 def test_compare_xla_refuses_bad_input_before_starting_xla(argv, capsys, monkeypatch):
-    monkeypatch.setattr("partir_emu.app.compare_xla.run_child", lambda *a, **k: pytest.fail("child started"))
+    monkeypatch.setattr("partir_emu.app.xla.compare.run_child", lambda *a, **k: pytest.fail("child started"))
     assert cli.main(["compare-xla", "mlp", *argv.split()]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ The cases are enumerated from the scenario registry, never listed by hand:
   PaLM's parallel block and the layers as one loop (``layers_as=loop``: a ``scan``), each with
   one of the transformer's mixing strategies, most complete first, on the 3-axis mesh.
 
-Each case is lowered here and in the child (:mod:`partir_emu.app.xla_child`), which compiles
+Each case is lowered here and in the child (:mod:`partir_emu.app.xla.child`), which compiles
 ``jax.jit(step, in_shardings, out_shardings)`` with XLA on 8 fake CPU devices (a 4-device mesh
 takes the first 4) and runs it and our LocalMesh on the same inputs. The numbers must agree
 elementwise (rtol 1e-5, atol 1e-6), or where rounding is amplified (Adam's update of a
@@ -34,11 +34,11 @@ import pytest
 
 import partir_emu as pe
 from partir_emu.api import lower_program
-from partir_emu.app import cli
-from partir_emu.app.compare_xla import FAST_COMPILE, run_child
+from partir_emu.app.cli import main as cli
 from partir_emu.app.experiment import ATOL, RTOL, Experiment
 from partir_emu.app.verdict import References
-from partir_emu.app.xla_child import compare_outputs
+from partir_emu.app.xla.child import compare_outputs
+from partir_emu.app.xla.compare import FAST_COMPILE, run_child
 from partir_emu.core.mesh import Mesh
 from partir_emu.interop import partition_specs
 from scenarios import get_scenario, list_scenarios
@@ -248,7 +248,7 @@ def test_compare_xla_all_strategies_in_one_child(tmp_path, capsys, monkeypatch):
         calls.append(len(cases))
         return real(cases, *a, **k)
 
-    monkeypatch.setattr("partir_emu.app.compare_xla.run_child", counting)
+    monkeypatch.setattr("partir_emu.app.xla.compare.run_child", counting)
     monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE)
     rep_path = tmp_path / "all.json"
     rc = cli.main(["compare-xla", "mlp", "--strategy", "all", "--mesh", "batch=4", "--quiet", "--run",

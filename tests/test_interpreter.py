@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.core.ir import Eqn, Program, Var
 from partir_emu.errors import ArgumentError, UnsupportedPrimitiveError
-from partir_emu.primitives import _special, get, names
+from partir_emu.primitives import elementwise as _special
+from partir_emu.primitives import get, names
 from partir_emu.runtime.interpreter import eval_program
 
 RNG = np.random.default_rng(0)

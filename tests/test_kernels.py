@@ -9,7 +9,7 @@ from partir_emu.app.experiment import Experiment
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ArgumentError
 from partir_emu.primitives import dot
-from partir_emu.primitives.matmul import KERNEL
+from partir_emu.primitives.dot import KERNEL
 from partir_emu.runtime.interpreter import eval_program
 from partir_emu.runtime.local_mesh import LocalMesh
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import partir_emu as pe
-from partir_emu.compiler.api import lower_program
+from partir_emu.compiler.api import partition_and_lower
 from partir_emu.core.loops import static_eqn_count, walk
 from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.common import get_scenario
@@ -44,7 +44,7 @@ def _case(layers_as: str, layers: int = 2, **extra):
 
 def _lower(layers_as: str, strategy: str, layers: int = 2, **extra):
     cfg, step, args, prog = _case(layers_as, layers, **extra)
-    return lower_program(prog, MESH, SC.strategies[strategy](MESH, cfg), state_outputs=STATE), args, step
+    return partition_and_lower(prog, MESH, SC.strategies[strategy](MESH, cfg), state_outputs=STATE), args, step
 
 
 def _unstack(tree: dict, layers: int) -> dict:

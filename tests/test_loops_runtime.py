@@ -18,13 +18,13 @@ from partir_emu.core.ir import Eqn
 from partir_emu.core.loops import unroll, walk
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.errors import ArtifactError, UnsupportedPrimitiveError
-from partir_emu.hwmodels.memory import peak_memory
+from partir_emu.hwmodels.compute.memory import peak_memory
+from partir_emu.mpi.failure_report import laggards, positions
 from partir_emu.runtime.engine import run_spmd
-from partir_emu.runtime.failure_report import laggards, positions
 from partir_emu.runtime.interpreter import eval_program
 from partir_emu.runtime.layout import shard
 from partir_emu.runtime.local_mesh import LocalMesh
-from partir_emu.runtime.progress import locate_in_engine
+from partir_emu.runtime.progress import engine_spot
 from tests.loop_programs import GLOBAL_PROGRAMS, SPMD_PROGRAMS, Build, global_inputs, rule5_peak, tiny_spmd
 
 
@@ -210,7 +210,7 @@ def test_error_inside_a_body_names_the_iteration():
     broken = dataclasses.replace(spmd, program=prog)
     with pytest.raises(UnsupportedPrimitiveError) as info:
         LocalMesh(spmd.mesh).run(broken, global_inputs(spmd.global_in_shapes))
-    spot = locate_in_engine(info.value)
+    spot = engine_spot(info.value)
     tanh_at = [e.prim for e in body.eqns].index("tanh")
     assert (spot.index, spot.eqn.prim, spot.loops, spot.device) == (tanh_at, "fft", ((0, 0),), 0)
     assert spot.describe() == f"op {tanh_at} of the loop body at op 0, iteration 0 (fft at layer.py:7)"

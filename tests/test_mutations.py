@@ -21,13 +21,17 @@ import numpy as np
 import pytest
 
 from partir_emu.app.programs import ProgramCache
-from partir_emu.app.validate_cases import SUITES, run_suite
+from partir_emu.app.validation.cases import SUITES, run_suite
 from partir_emu.collectives.schedule import CollectiveSchedule
 from partir_emu.collectives.transfers import TransferTable
-from partir_emu.hwmodels import algorithm_choice, analytical, comm, contention, links, pricing
-from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer
-from partir_emu.hwmodels.des.validate import Case, ValidationReport
-from partir_emu.hwmodels.topology import Topology, pad_routes
+from partir_emu.hwmodels import analytical, pricing
+from partir_emu.hwmodels.analytical import Analyzer
+from partir_emu.hwmodels.machine import links
+from partir_emu.hwmodels.machine.topology import Topology, pad_routes
+from partir_emu.hwmodels.network import choice as algorithm_choice
+from partir_emu.hwmodels.network import comm, contention, messages
+from partir_emu.hwmodels.validation.des import Case
+from partir_emu.hwmodels.validation.report import ValidationReport
 from tests import (
     test_collectives_schedule,
     test_des_collectives,
@@ -340,13 +344,11 @@ SHARED: tuple[tuple[str, Patch, tuple[Callable[[], None], ...]], ...] = (
 
 
 def _forget() -> None:
-    """Drop what was computed (on either side of a mutation) and kept between calls: the default
-    analyzer's prices and placements, the schedules' message arrays (a built schedule is immutable and
-    kept too, but no mutation here changes how one is built)."""
-    DEFAULT_ANALYZER.clear()
-    kept = getattr(contention, "_MESSAGES", None)
-    if kept is not None:
-        kept.clear()
+    """Drop what was computed (on either side of a mutation) and kept between calls: the schedules'
+    message arrays (a built schedule is immutable and kept too, but no mutation here changes how one is
+    built; analyzers are per call, so no prices or placements survive one)."""
+    messages._MESSAGES.clear()
+    messages._held[0] = 0
 
 
 @pytest.mark.parametrize("name, patch, tests", SHARED, ids=[s[0] for s in SHARED])

@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from partir_emu.app.experiment import Experiment
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
-from partir_emu.hwmodels.placement import Placement, place
-from partir_emu.hwmodels.placement_search import enumerate_placements, resolve_placement, search_placement
-from partir_emu.hwmodels.specs import load_spec
-from partir_emu.hwmodels.topology import topology_for
+from partir_emu.hwmodels.machine.placement import Placement, place
+from partir_emu.hwmodels.machine.search import enumerate_placements, resolve_placement, search_placement
+from partir_emu.hwmodels.machine.specs import load_spec
+from partir_emu.hwmodels.machine.topology import topology_for
 from tests.test_hw_analytical import MM, Builder
 
 pytestmark = pytest.mark.xdist_group("placement_search")    # its cached programs and references: made once, on one worker

@@ -14,10 +14,10 @@ import pytest
 
 import partir_emu
 from partir_emu import ManualPartition, Mesh
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.hwmodels import load_spec, simulate
 from partir_emu.primitives import lookup, rule_for
-from partir_emu.primitives.rng import HASH_OPS
+from partir_emu.primitives.bits import HASH_OPS
 from partir_emu.runtime.interpreter import eval_program
 
 RNG = np.random.default_rng(11)
@@ -168,7 +168,7 @@ def test_scatters_with_a_tiled_window_dim_stay_local(idx):
 @pytest.mark.parametrize("idx", [IDX, DUP], ids=["distinct", "repeated"])
 def test_scatters_into_a_tiled_indexed_dim_apply_each_blocks_rows_locally(idx):
     """Row scatters (set/min/max/mul/add of rows of x) with x's rows tiled: each device shifts the
-    indices by its block start and drops the rows it does not hold (compiler/indexed.py); no
+    indices by its block start and drops the rows it does not hold (compiler/lowering/indexed.py); no
     collective, whichever block the (repeated) rows fall in."""
     x = RNG.standard_normal((6, 8)).astype(np.float32)
     spmd = _check(_at, x, idx, tiles={"x": 0})

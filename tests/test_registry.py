@@ -9,7 +9,7 @@ import pytest
 
 import partir_emu
 from partir_emu import ManualPartition, Mesh
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.core.ir import Eqn, Var
 from partir_emu.core.registry import KINDS, register
 from partir_emu.core.spmd import COLLECTIVE_PRIMS, COMM_PRIMS

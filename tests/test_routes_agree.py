@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from partir_emu.hwmodels import Topology, load_spec, topology_for
-from partir_emu.hwmodels.des import routing as des_routing
-from partir_emu.hwmodels.links import Router, link_factors
+from partir_emu.hwmodels.des.network import routing as des_routing
+from partir_emu.hwmodels.machine.links import Router, link_factors
 
 
 def _torus(dims: tuple[int, ...], wrap: tuple[bool, ...]) -> Topology:

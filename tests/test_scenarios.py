@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from partir_emu.compiler.auto import AutomaticPartition
+from partir_emu.compiler.auto.tactic import AutomaticPartition
 from partir_emu.compiler.tactics import REPLICATED, ManualPartition
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
@@ -296,8 +296,8 @@ def test_strategy_errors():
 
 
 def test_names_agree_with_compiler(tiny):
-    trace = pytest.importorskip("partir_emu.compiler.trace")
+    trace = pytest.importorskip("partir_emu.compiler.tracing.trace")
     if not hasattr(trace, "input_names"):
-        pytest.skip("partir_emu.compiler.trace.input_names not available")
+        pytest.skip("partir_emu.compiler.tracing.trace.input_names not available")
     sc, cfg, _ = tiny
     assert trace.input_names(sc.make_step(cfg), sc.make_inputs(cfg)) == sc.input_names(cfg)

@@ -13,13 +13,13 @@ import pytest
 
 from partir_emu.api import lower_program
 from partir_emu.app.experiment import Experiment
-from partir_emu.compiler import auto_search
+from partir_emu.compiler.auto import search as auto_search
 from partir_emu.compiler.tactics import AutomaticPartition
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import TacticError
-from partir_emu.hwmodels import placement_search
 from partir_emu.hwmodels.analytical import Analyzer
-from partir_emu.hwmodels.specs import load_spec
+from partir_emu.hwmodels.machine import search as placement_search
+from partir_emu.hwmodels.machine.specs import load_spec
 
 
 def _slow_clock() -> types.SimpleNamespace:

@@ -95,7 +95,7 @@ class _ScanBlock(nn.Module):
 
 class _ScanLM(nn.Module):
     """Layers as ``nn.scan`` over ``nn.remat`` (MaxText/PaLM style): parameters stacked on a
-    leading layer dim. The tracer makes the scan one loop equation (compiler/trace_loops.py)."""
+    leading layer dim. The tracer makes the scan one loop equation (compiler/tracing/loops.py)."""
 
     @nn.compact
     def __call__(self, tokens):

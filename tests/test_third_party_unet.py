@@ -5,7 +5,7 @@ BP, MP and Z3 and verify against jax.jit"), trained with optax Adam, partitioned
 - MP: every conv's output features (kernel dim 3, bias) on ``model``, after BP;
 - Z3: BP, then the parameters and Adam moments sharded on ``batch`` (kernel output features);
 - spatial: the image rows (H) on ``spatial`` (the paper's U-Net partitioning): every 3×3 conv
-  exchanges one border row with each neighbour (``compiler/halo.py``), the 2×2 poolings and the
+  exchanges one border row with each neighbour (``compiler/lowering/halo.py``), the 2×2 poolings and the
   ``jnp.repeat`` upsampling need none. One value is gathered: ``avg_pool``'s gradient is a ``pad``
   with interior padding (then a window sum), and ``pad`` blocks the dims it pads. With max pooling
   at both levels nothing is gathered;

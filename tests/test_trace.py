@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.core.ir import verify
 from partir_emu.runtime.interpreter import eval_program
 

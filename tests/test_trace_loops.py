@@ -1,4 +1,4 @@
-"""``scan``, ``fori_loop`` and ``cond`` trace (compiler/trace_loops.py: scan as one loop equation,
+"""``scan``, ``fori_loop`` and ``cond`` trace (compiler/tracing/loops.py: scan as one loop equation,
 its body traced once; cond as a select over every branch), partition and match ``jax.jit``,
 forward and gradient; a ``while`` with a run-time trip count is still refused, with advice."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The double binary tree all-reduce across H100 nodes (``collectives/alg_gpu.py``): its closed form,
-the analytical price (members' asynchronous critical path, ``hwmodels/async_steps.py``) against the
-DES, and the per-collective choice (``hwmodels/algorithm_choice.py``).
+the analytical price (members' asynchronous critical path, ``hwmodels/network/async_steps.py``) against the
+DES, and the per-collective choice (``hwmodels/network/choice.py``).
 
 Setting: ``Mesh(data=q, model=8)`` on H100 (DGX nodes of 8 GPUs, one NIC of ``B`` = 50 GB/s per GPU,
 fat tree of 4 nodes per leaf); the all-reduce runs over ``data``: ``q`` members, one GPU per node, 8
@@ -15,10 +15,10 @@ import pytest
 
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels import load_spec, place, simulate
-from partir_emu.hwmodels.algorithm_choice import TREE_ACROSS_NODES_MAX_BYTES
-from partir_emu.hwmodels.async_steps import DRIFT_S, _fair_busy, drifts
-from partir_emu.hwmodels.comm import CommModel
 from partir_emu.hwmodels.des import simulate_des
+from partir_emu.hwmodels.network.async_steps import DRIFT_S, _fair_busy, drifts
+from partir_emu.hwmodels.network.choice import TREE_ACROSS_NODES_MAX_BYTES
+from partir_emu.hwmodels.network.comm import CommModel
 from tests.test_algorithms_new import one_all_reduce
 
 REL = 1e-9

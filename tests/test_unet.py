@@ -1,4 +1,4 @@
-"""scenarios/unet.py: sizes and their errors, the closed-form parameter count and model FLOPs against
+"""scenarios/unet/scenario.py: sizes and their errors, the closed-form parameter count and model FLOPs against
 the real parameters and the traced program, every strategy against jax.jit on LocalMesh, the
 spatial strategy's halo exchanges (one per conv layer's forward, shared by its weight gradient, and
 one per input gradient) and gathers (attention only), and `simulate` / `simulate-des`."""
@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 from partir_emu.api import trace
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from partir_emu.app.experiment import Experiment
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 from partir_emu.primitives.conv import conv_cost
 from partir_emu.primitives.dot import dot_general_cost
 from partir_emu.runtime.local_mesh import LocalMesh
-from scenarios import get_scenario, list_scenarios, unet
+from scenarios import get_scenario, list_scenarios
+from scenarios.unet import scenario as unet
 from tests.conftest import experiment, lowered
 
 pytestmark = pytest.mark.xdist_group("unet")    # its cached programs and references: made once, on one worker
@@ -167,7 +168,7 @@ def _producer(spmd) -> dict:
 
 @pytest.mark.slow
 def test_spatial_has_one_halo_exchange_per_conv_layer():
-    """Convention (``compiler/halo.py``): an exchange is one concatenate of [rows from the previous
+    """Convention (``compiler/lowering/halo.py``): an exchange is one concatenate of [rows from the previous
     block, own block, rows from the next], fed by at most one ``collective_permute`` per direction.
     A conv layer of the step has exactly one exchange for its forward conv, which its weight
     gradient reuses, and one for its input gradient (none for conv_in, whose input is data):

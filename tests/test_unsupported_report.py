@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from partir_emu.compiler.trace import trace
-from partir_emu.compiler.trace_unsupported import advice
+from partir_emu.compiler.tracing.trace import trace
+from partir_emu.compiler.tracing.unsupported import advice
 from partir_emu.errors import PartirError, UnsupportedPrimitiveError
 
 X = np.linspace(0.5, 3.0, 6, dtype=np.float32)

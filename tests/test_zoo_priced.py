@@ -15,7 +15,7 @@ import pytest
 
 from partir_emu.hwmodels import simulate
 from partir_emu.hwmodels.des import simulate_des
-from partir_emu.hwmodels.des.validate import MAX_MAX
+from partir_emu.hwmodels.validation.des import MAX_MAX
 from tests.mpi.conftest import lowered
 from tests.mpi.test_zoo_mpi import CASES, _id
 

@@ -1,20 +1,21 @@
-"""Compiler entry points: ``partition`` (apply a schedule) and ``lower_program`` (partition, then
-lower to an SpmdProgram).
+"""Compiler entry points: ``partition`` (apply a schedule) and ``partition_and_lower`` (partition,
+then lower to an SpmdProgram), whose result is a :class:`Partitioned`.
 
 Pure functions of a traced :class:`~partir_emu.core.ir.Program`: no jax, no runtime, no hardware
 model. An :class:`AutomaticPartition` without its own ``cost`` is priced by the ``cost_model``
 the caller passes; :mod:`partir_emu.api` (the user-facing ``jit``/``trace``/``lower_program``)
-passes the analytical model and runs the result on the in-process mesh.
+passes the analytical model, and its :class:`~partir_emu.api.Lowered` (a ``Partitioned`` that can
+also run and export) is what this module builds when it is asked to (``result=``).
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from partir_emu.compiler.auto import apply_automatic
-from partir_emu.compiler.lower import lower
+from partir_emu.compiler.auto.tactic import apply_automatic
+from partir_emu.compiler.lowering.lower import lower
 from partir_emu.compiler.propagate import apply_tactic
 from partir_emu.compiler.state import ShardingState
 from partir_emu.compiler.tactics import AutomaticPartition, CostModel, Tactic
@@ -22,6 +23,8 @@ from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import CollectiveStats, SpmdProgram
 from partir_emu.errors import MeshError
+
+P = TypeVar("P", bound="Partitioned")
 
 
 def partition(program: Program, mesh: Mesh, schedule: Sequence[Tactic], keep_states: bool = True,
@@ -53,7 +56,10 @@ def partition(program: Program, mesh: Mesh, schedule: Sequence[Tactic], keep_sta
 
 
 @dataclass
-class Lowered:
+class Partitioned:
+    """A partitioned and lowered program: the global program, the schedule, the final sharding state
+    and the SPMD program."""
+
     program: Program                 # the traced, global program
     schedule: list[Tactic]
     final_state: ShardingState
@@ -84,9 +90,12 @@ class Lowered:
         return str(self.spmd)
 
 
-def lower_program(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
-                  state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = None) -> Lowered:
+def partition_and_lower(program: Program, mesh: Mesh, schedule: Sequence[Tactic],
+                        state_outputs: dict[str, str] | None = None, cost_model: CostModel | None = None,
+                        result: type[P] | None = None) -> P:
     """Partition ``program`` with ``schedule`` and lower the final state (see ``lower.lower`` for
-    ``state_outputs``)."""
+    ``state_outputs``); the result is a ``result`` (default :class:`Partitioned`; a subclass that
+    adds behaviour, as :class:`partir_emu.api.Lowered` does, is built directly, nothing copied)."""
     (state,) = partition(program, mesh, schedule, keep_states=False, cost_model=cost_model, state_outputs=state_outputs)
-    return Lowered(program, list(schedule), state, lower(state, state_outputs), cost_model, state_outputs)
+    cls: type[Any] = result if result is not None else Partitioned
+    return cls(program, list(schedule), state, lower(state, state_outputs), cost_model, state_outputs)

@@ -19,7 +19,7 @@ nothing changes; where the body disagrees the usual conflict is recorded and the
 reshards the carry at the end of the body). The iteration dim is blocked, so a stacked value is
 never tiled on it.
 
-The lowering (:mod:`.lower`) turns each :class:`Region` back into one ``loop`` equation whose
+The lowering (:mod:`partir_emu.compiler.lowering.lower`) turns each :class:`Region` back into one ``loop`` equation whose
 body is the body's equations lowered once; the link equations themselves are never lowered.
 Their rules never make a pending sum pass through (``linear=False``): a loop's operands and a
 body's outputs are always whole values.

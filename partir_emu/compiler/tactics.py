@@ -6,7 +6,7 @@ replicated on it); propagation then carries that axis through the program.
 Input names are pytree paths such as ``params/layer_3/mlp/w_in``; patterns are
 shell globs (``*`` also matches ``/``), tried in the order written; the first
 pattern that matches an input decides for it. An ``AutomaticPartition`` searches those
-decisions instead (:mod:`partir_emu.compiler.auto`), priced by a cost function.
+decisions instead (:mod:`partir_emu.compiler.auto.tactic`), priced by a cost function.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import TacticError
 
 
-class _Replicated:
+class Replicated:
     _inst = None
 
     def __new__(cls):  # a singleton, so `is REPLICATED` works after copies
@@ -31,13 +31,13 @@ class _Replicated:
         return "REPLICATED"
 
 
-REPLICATED = _Replicated()
+REPLICATED = Replicated()
 """Pin an input replicated on the tactic's axis: propagation will not tile it."""
 
 
 @dataclass(frozen=True)
 class ManualPartition:
-    inputs: Mapping[str, int | _Replicated]
+    inputs: Mapping[str, int | Replicated]
     axis: str
     name: str = ""
     # By default a pattern that matches no input is an error (a typo would
@@ -66,9 +66,9 @@ class ManualPartition:
         items = ", ".join(f"{p!r}: {d!r}" for p, d in self.inputs.items())
         return self.name or f"ManualPartition({{{items}}}, axis={self.axis!r})"
 
-    def resolve(self, names: Sequence[str]) -> dict[int, int | _Replicated]:
+    def resolve(self, names: Sequence[str]) -> dict[int, int | Replicated]:
         """Input index → dim (or REPLICATED). Raises if a pattern matches nothing."""
-        out: dict[int, int | _Replicated] = {}
+        out: dict[int, int | Replicated] = {}
         for pat, dim in self.inputs.items():
             hits = [i for i, n in enumerate(names) if fnmatch.fnmatchcase(n, pat)]
             if not hits and not self.allow_unmatched:
@@ -83,7 +83,7 @@ class ManualPartition:
 @dataclass(frozen=True)
 class AutomaticPartition:
     """Search the decisions a ManualPartition on ``axis`` would make for the ``inputs`` patterns
-    (see :mod:`partir_emu.compiler.auto`), pricing each candidate with ``cost``, or else with the
+    (see :mod:`partir_emu.compiler.auto.tactic`), pricing each candidate with ``cost``, or else with the
     cost model the caller of ``partition``/``lower_program`` passes. The search stops after
     ``budget`` evaluations, a deterministic count, so the same call gives the same decisions on a
     fast machine and a loaded one; ``seconds`` (default None: no limit) is only a safety net, and a

@@ -7,7 +7,7 @@ sum (partial) over the tiling axes (a pending max or min for ``reduce_op`` max/m
 sliced dim of a slice, the reduced dim of a max, an iota...). A *halo* factor may
 be tiled, but then each device also reads border elements of its neighbours' blocks
 (the spatial dim of a convolution or pooling window): the lowering exchanges them
-(:mod:`partir_emu.compiler.halo`).
+(:mod:`partir_emu.compiler.lowering.halo`).
 
 A primitive's rule is the ``rule`` facet of its registry entry
 (:mod:`partir_emu.core.registry`); the entries live in :mod:`partir_emu.primitives`.

@@ -2,7 +2,7 @@
 
 The MPI emulator (``partir-emu run --backend mpi --trace-messages FILE``) records
 every point-to-point transfer its schedule executor made; the DES replays the
-file and checks it against the schedules (:mod:`partir_emu.hwmodels.des.replay`).
+file and checks it against the schedules (:mod:`partir_emu.hwmodels.validation.replay`).
 The file is JSON Lines. Line 1 is the header::
 
     {"format": "partir-emu-message-trace", "version": 2,

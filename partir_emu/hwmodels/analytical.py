@@ -4,22 +4,22 @@
 equations, like every other pass):
 
 - compute equations are grouped into the kernels the chip's compiler would form
-  (:mod:`.fusion`, from the spec's ``[compiler]`` table); a kernel takes
+  (:mod:`partir_emu.hwmodels.compute.fusion`, from the spec's ``[compiler]`` table); a kernel takes
   ``max(matmul + vector time, boundary bytes / achieved HBM bw)`` plus any launch
-  overhead, at the achievable fractions of ``[efficiency]`` (:mod:`.efficiency`),
+  overhead, at the achievable fractions of ``[efficiency]`` (:mod:`partir_emu.hwmodels.compute.efficiency`),
   all on its last equation (the others take 0). ``costs.cost_rules`` gives each
   equation's FLOPs and unfused bytes. In ``by_op_kind`` and ``by_prim`` a kernel's
   time and bytes count under its dominant equation (its dot, else its last
   reduction, else its last elementwise op); counts are of equations;
 - a communicating collective takes the price of its algorithm's schedule on the
   placed topology, run by all its groups at once, each link shared by the messages that cross it
-  (``comm.CommModel``, :mod:`.contention`);
-- faults (:mod:`.links`): degraded links run at their factor of the bandwidth and failed links are
+  (``comm.CommModel``, :mod:`partir_emu.hwmodels.network.contention`);
+- faults (:mod:`partir_emu.hwmodels.machine.links`): degraded links run at their factor of the bandwidth and failed links are
   routed around (both change the collective prices); a straggler (``{device: factor}``) makes the
   step follow the slowest device's timeline: every compute time × the largest factor (each device
   waits for it at the collectives; the DES shows the finer picture);
 - without overlap the step is the sum of both; with ``overlap=True`` the schedule
-  of :mod:`.overlap`: asynchronous collectives on one communication stream, issued
+  of :mod:`partir_emu.hwmodels.timeline.overlap`: asynchronous collectives on one communication stream, issued
   by need (ZeRO-3 gathers prefetched within ``prefetch_bytes``), compute in program order;
 - peak memory per device from buffer liveness (``memory.peak_memory``);
 - a ``loop`` equation (``lax.scan`` and friends, :mod:`partir_emu.core.loops`) takes ``length`` × the
@@ -35,7 +35,8 @@ The per-program analysis (FLOPs, bytes, liveness, dependencies) does not depend
 on the hardware, and a collective's price depends only on the placement: an
 :class:`Analyzer` keeps both (and the spec files and placements it resolved)
 between evaluations, so re-pricing one program on many specs or placements is
-cheap. ``simulate(...)`` without ``analyzer=`` uses :data:`DEFAULT_ANALYZER`.
+cheap. There is no process-global analyzer: whoever evaluates owns one (the CLI one per command, a
+search one per search) and passes it on; ``simulate(...)`` without ``analyzer=`` starts cold.
 """
 from __future__ import annotations
 
@@ -44,22 +45,23 @@ from collections.abc import Mapping, Sequence
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.hwmodels.comm import CommModel, PriceCache
-from partir_emu.hwmodels.links import (
+from partir_emu.hwmodels.compute.program import LoopCosts, ProgramAnalysis, ProgramCosts, analyze, compute_times
+from partir_emu.hwmodels.machine.links import (
     FaultError,
     check_stragglers,
     describe_stragglers,
     link_factors,
     straggler_scale,
 )
-from partir_emu.hwmodels.overlap import OverlapPlan
-from partir_emu.hwmodels.placement import Placement, place
+from partir_emu.hwmodels.machine.placement import Placement, place
+from partir_emu.hwmodels.machine.specs import HardwareSpec, SpecLoader
+from partir_emu.hwmodels.machine.topology import Topology, topology_for
+from partir_emu.hwmodels.network.comm import CommModel, PriceCache
 from partir_emu.hwmodels.pricing import Priced, collective_rows, price, totals
-from partir_emu.hwmodels.program_costs import LoopCosts, ProgramAnalysis, ProgramCosts, analyze, compute_times
-from partir_emu.hwmodels.sim_report import CollectiveRow, SimReport
-from partir_emu.hwmodels.specs import HardwareSpec, SpecLoader
+from partir_emu.hwmodels.report import CollectiveRow, SimReport
+from partir_emu.hwmodels.timeline.overlap import OverlapPlan
 
-__all__ = ["DEFAULT_ANALYZER", "Analyzer", "CollectiveRow", "LoopCosts", "Priced", "ProgramAnalysis", "ProgramCosts",
+__all__ = ["Analyzer", "CollectiveRow", "LoopCosts", "Priced", "ProgramAnalysis", "ProgramCosts",
            "SimReport", "analyze", "compute_times", "simulate"]
 
 
@@ -68,9 +70,10 @@ class Analyzer:
 
     - the analysis of the last ``max_programs`` programs (recently used kept; a program is matched
       by identity, and kept alive while it is here; a loop body's inside its program's);
-    - collective prices per placement (:class:`~partir_emu.hwmodels.comm.PriceCache`);
-    - the spec files read (:class:`~partir_emu.hwmodels.specs.SpecLoader`) and the placements
-      built, by (mesh axes, spec, mapping, slice) (hashable keys; at most ``max_placements``).
+    - collective prices per placement (:class:`~partir_emu.hwmodels.network.comm.PriceCache`);
+    - the spec files read (:class:`~partir_emu.hwmodels.machine.specs.SpecLoader`), the topologies
+      built (by spec, chips and slice) and the placements built on them, by (mesh axes, spec,
+      mapping, slice) (hashable keys; at most ``max_placements``).
 
     ``eqns_priced`` counts the work done: equations analysed, plus equations walked by each pricing
     (a loop body once per pricing, whatever its length).
@@ -84,11 +87,13 @@ class Analyzer:
         self.prices = PriceCache()
         self._programs: list[ProgramAnalysis] = []              # least recently used first
         self._placements: dict[tuple, Placement] = {}
+        self._topologies: dict[tuple, Topology] = {}
         self.eqns_priced = 0
 
     def clear(self) -> None:
         self._programs.clear()
         self._placements.clear()
+        self._topologies.clear()
         self.prices.clear()
         self.specs.clear()
 
@@ -117,15 +122,25 @@ class Analyzer:
         return self.entry(program).dependencies()
 
     def overlap_plan(self, program: Program) -> OverlapPlan:
-        """The time-independent part of the overlap schedule (:func:`.overlap.build_plan`), computed once."""
+        """The time-independent part of the overlap schedule (:func:`partir_emu.hwmodels.timeline.overlap.build_plan`), computed once."""
         return self.entry(program).overlap_plan()
 
     def spec(self, spec: HardwareSpec | str) -> HardwareSpec:
         return self.specs.load(spec)
 
+    def topology(self, spec: HardwareSpec, chips: int, slice_dims: Sequence[int] | None = None) -> Topology:
+        """:func:`~partir_emu.hwmodels.machine.topology.topology_for`, built once per (spec, chips, slice)."""
+        key = (spec, chips, tuple(slice_dims) if slice_dims is not None else None)
+        hit = self._topologies.get(key)
+        if hit is None:
+            if len(self._topologies) >= self.max_placements:
+                self._topologies.clear()
+            hit = self._topologies[key] = topology_for(spec, chips, key[2])
+        return hit
+
     def placement(self, mesh: Mesh, spec: HardwareSpec, mapping: Placement | str | Mapping | None = None,
                   slice_dims: Sequence[int] | None = None) -> Placement:
-        """``mapping`` if it is a Placement, else :func:`~partir_emu.hwmodels.placement.place` (kept)."""
+        """``mapping`` if it is a Placement, else :func:`~partir_emu.hwmodels.machine.placement.place` (kept)."""
         if isinstance(mapping, Placement):
             return mapping
         try:
@@ -135,7 +150,7 @@ class Analyzer:
             key, hit = None, None
         if hit is not None:
             return hit
-        placement = place(mesh, spec, mapping, slice_dims)
+        placement = place(mesh, spec, mapping, slice_dims, topology=self.topology)
         if key is not None:
             if len(self._placements) >= self.max_placements:
                 self._placements.clear()
@@ -186,7 +201,6 @@ class Analyzer:
             fusion=tot.fusion, collectives=tuple(collective_rows(pr)), faults=faults, comm_streams=int(comm_streams))
 
 
-DEFAULT_ANALYZER = Analyzer()
 """The analyzer of callers that pass none (``simulate(spmd, spec)``, ``simulate_des``): repeated
 evaluations of a program stay cheap without any setup. Pass your own to own what is kept."""
 
@@ -203,16 +217,16 @@ def simulate(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placement |
     ``placement``: a :class:`Placement`, a mapping string such as ``"model=x,batch=yz"`` (or dict), or
     ``None`` for the default placement; ``slice_dims`` picks a TPU slice shape. ``algorithms`` overrides
     the collective algorithm, for all kinds (a name) or per kind (``{"all_reduce": "ring"}``).
-    ``analyzer`` keeps analyses, prices and placements between calls (default :data:`DEFAULT_ANALYZER`).
+    ``analyzer`` keeps analyses, prices and placements between calls (default: a new one, cold).
     ``prefetch_bytes``: with overlap, the ZeRO-3 all-gather bytes in flight ahead of need (default:
-    one FSDP unit, :mod:`.overlap`; 0: gather on demand); the peak memory counts them.
+    one FSDP unit, :mod:`partir_emu.hwmodels.timeline.overlap`; 0: gather on demand); the peak memory counts them.
     ``model_flops``: the model's FLOPs per device per step (``Scenario.model_flops``: 6·N per token plus
     attention, no recompute); gives ``mfu`` (else ``None``). ``hfu`` counts the program's matmul FLOPs.
-    ``comm_streams``: with overlap, how many collectives may run at once (:mod:`.overlap`).
-    Faults (:mod:`.links`; bad values raise :class:`~.links.FaultError`): ``stragglers`` ``{device:
+    ``comm_streams``: with overlap, how many collectives may run at once (:mod:`partir_emu.hwmodels.timeline.overlap`).
+    Faults (:mod:`partir_emu.hwmodels.machine.links`; bad values raise :class:`~partir_emu.hwmodels.machine.links.FaultError`): ``stragglers`` ``{device:
     factor}`` (compute ``factor`` x slower), ``degraded_links`` ``{"A->B" | "A-B" | "#id": factor}``,
     ``failed_links`` (names; routes detour around them). The report lists them in ``faults``."""
-    return (analyzer if analyzer is not None else DEFAULT_ANALYZER).simulate(
+    return (analyzer if analyzer is not None else Analyzer()).simulate(
         spmd, spec, placement, overlap, algorithms=algorithms, slice_dims=slice_dims, prefetch_bytes=prefetch_bytes,
         model_flops=model_flops, comm_streams=comm_streams, stragglers=stragglers, degraded_links=degraded_links,
         failed_links=failed_links)

@@ -11,9 +11,9 @@ and the memory profile:
   sequential: everything of iteration ``i``, its asynchronous collectives included, completes before
   iteration ``i + 1`` starts, as in an XLA while loop without collective pipelining; so every
   iteration takes the body's step, and the body is never unrolled. In its enclosing program's overlap
-  schedule a loop is a barrier (:mod:`.overlap`);
-- without overlap the step is compute + communication; with overlap the schedule of :mod:`.overlap`
-  (``comm_streams`` communication streams, concurrent collectives sharing links: :mod:`.concurrency`),
+  schedule a loop is a barrier (:mod:`partir_emu.hwmodels.timeline.overlap`);
+- without overlap the step is compute + communication; with overlap the schedule of :mod:`partir_emu.hwmodels.timeline.overlap`
+  (``comm_streams`` communication streams, concurrent collectives sharing links: :mod:`partir_emu.hwmodels.network.concurrency`),
   and the memory profile with the prefetch buffers of that schedule, loop bodies with their own
   schedules' (rule 5 of :mod:`partir_emu.core.analysis`).
 
@@ -21,7 +21,7 @@ and the memory profile:
 (a body's × its length), and :func:`collective_rows` lists every executed collective with its start
 (one row per iteration of a body collective), so a loop program reports what its unrolled form does.
 With several communication streams a row's time and ``comm_s`` are the collectives' durations in the
-schedule (slowed by the others in flight, :mod:`.concurrency`), not their standalone prices.
+schedule (slowed by the others in flight, :mod:`partir_emu.hwmodels.network.concurrency`), not their standalone prices.
 """
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partir_emu.hwmodels.comm import CollectiveCost, CommModel
-from partir_emu.hwmodels.concurrency import Contention
-from partir_emu.hwmodels.costs import KINDS
-from partir_emu.hwmodels.memory import MemoryProfile, peak_memory
-from partir_emu.hwmodels.overlap import Schedule, overlap_memory, schedule
-from partir_emu.hwmodels.program_costs import ProgramAnalysis, ProgramCosts, compute_times
-from partir_emu.hwmodels.sim_report import CollectiveRow
-from partir_emu.hwmodels.specs import HardwareSpec
+from partir_emu.hwmodels.compute.costs import KINDS
+from partir_emu.hwmodels.compute.memory import MemoryProfile, peak_memory
+from partir_emu.hwmodels.compute.program import ProgramAnalysis, ProgramCosts, compute_times
+from partir_emu.hwmodels.machine.specs import HardwareSpec
+from partir_emu.hwmodels.network.comm import CollectiveCost, CommModel
+from partir_emu.hwmodels.network.concurrency import Contention
+from partir_emu.hwmodels.report import CollectiveRow
+from partir_emu.hwmodels.timeline.overlap import Schedule, overlap_memory, schedule
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +61,7 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
           prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0) -> Priced:
     """Price one run of ``entry``'s program (module docstring). ``compute_scale`` multiplies every
     compute equation's time (loop bodies' too: a uniformly slower or faster chip); ``comm_streams`` is
-    the number of collectives the overlap schedule may run at once (:func:`.overlap.schedule`)."""
+    the number of collectives the overlap schedule may run at once (:func:`partir_emu.hwmodels.timeline.overlap.schedule`)."""
     pc = entry.costs
     times = compute_times(pc, spec)
     if compute_scale != 1.0:

@@ -6,10 +6,12 @@ Importing this package fills the registry; its consumers (compiler, runtime, hwm
 the registry through the names re-exported here, so that they always see it filled.
 :func:`rule_for` is the sharding rule of one equation.
 
-Families: ``elementwise``, ``bits`` (shifts, bit counts, bitcasts), ``shape``, ``reduce``
-(reductions, scans, sort, top_k), ``dot``, ``conv`` (convolutions), ``window``
-(pooling: reduce_window_*, select_and_scatter_add), ``gather``, ``scatter`` (set/add/mul/min/max),
-``rng`` (jax.random's threefry primitives), ``collectives`` (the SPMD primitives lowering emits).
+Families: ``elementwise`` (with the special functions numpy lacks), ``bits`` (shifts, bit counts,
+bitcasts, and jax.random's threefry primitives), ``shape``, ``reduce`` (reductions, scans, sort,
+top_k), ``dot`` (dot_general and the matmul kernels every contraction runs on), ``conv``
+(convolutions), ``window`` (pooling: reduce_window_*, select_and_scatter_add), ``indexing`` (gather;
+scatter set/add/mul/min/max), ``collectives`` (the SPMD primitives lowering emits); ``costs``: the
+cost conventions they share.
 """
 from __future__ import annotations
 
@@ -23,10 +25,8 @@ from partir_emu.primitives import (  # noqa: F401  (register)
     conv,
     dot,
     elementwise,
-    gather,
+    indexing,
     reduce,
-    rng,
-    scatter,
     shape,
     window,
 )

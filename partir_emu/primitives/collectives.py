@@ -20,7 +20,7 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.registry import Primitive, register
 from partir_emu.core.spmd import COMM_PRIMS
 from partir_emu.errors import EmulationError
-from partir_emu.primitives._costs import copy_cost, free_cost, read_what_you_keep_cost
+from partir_emu.primitives.costs import copy_cost, free_cost, read_what_you_keep_cost
 
 
 def _all_slice(x: np.ndarray, mesh: Mesh, device: int, *, axes: Sequence[str], dim: int, **_: Any) -> np.ndarray:

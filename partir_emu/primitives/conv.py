@@ -37,7 +37,7 @@ Spatial dims, per dim ``k`` (stride ``s``, lhs dilation ``d``, low padding ``lo`
   ``(out-1)·s + 1 - rhs_dilation`` (weight gradient); it needs ``⌊lo/d⌋`` elements of device
   ``j-1`` and ``⌈(reach-lo)/d⌉`` of device ``j+1``, exchanged by ``collective_permute`` and
   concatenated, then runs the conv with the padding of the extended block
-  (:class:`~partir_emu.primitives.window.HaloDim`, :mod:`partir_emu.compiler.halo`). The outer
+  (:class:`~partir_emu.primitives.window.HaloDim`, :mod:`partir_emu.compiler.lowering.halo`). The outer
   devices receive zeros, which is the conv's zero padding. ``f`` is coarse enough that a halo
   never exceeds one neighbour's block;
 - every other spatial dim ('VALID' with ``k > s``, whose output is shorter than ``lhs/s``) is
@@ -61,8 +61,8 @@ from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
 from partir_emu.errors import EmulationError
-from partir_emu.primitives._costs import Cost, elems, in_bytes, out_bytes
-from partir_emu.primitives.matmul import matmul
+from partir_emu.primitives.costs import Cost, elems, in_bytes, out_bytes
+from partir_emu.primitives.dot import matmul
 from partir_emu.primitives.window import HaloDim, halo_split, split_dims, window_view
 
 

@@ -25,7 +25,7 @@ from partir_emu.core.dtypes import is_low_float, np_dtype
 from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
-from partir_emu.primitives._costs import Cost, elems, in_bytes, out_bytes, reduction_cost
+from partir_emu.primitives.costs import Cost, elems, in_bytes, out_bytes, reduction_cost
 
 
 # -- rules ------------------------------------------------------------------------------

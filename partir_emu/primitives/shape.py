@@ -18,7 +18,7 @@ from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.factors import Dims, FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import LocalizeFn, Primitive, register
-from partir_emu.primitives._costs import Cost, copy_cost, nbytes_of, read_what_you_keep_cost, write_only_cost
+from partir_emu.primitives.costs import Cost, copy_cost, nbytes_of, read_what_you_keep_cost, write_only_cost
 
 
 # -- rules ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ may be tiled. A window dim whose operand and result blocks line up (``out·strid
 operand·base_dilation``: 2×2 pooling with stride 2, 'SAME' pooling with ``stride | n``) is a *halo
 dim*: operand ``(f, a)`` and result ``(f, c)`` share the major factor ``f``, and tiling it makes each
 device read ``HaloDim.halos()`` border elements of its neighbours (:class:`HaloDim`, exchanged by
-:mod:`partir_emu.compiler.halo`; none when windows never straddle blocks, e.g. window == stride).
+:mod:`partir_emu.compiler.lowering.halo`; none when windows never straddle blocks, e.g. window == stride).
 The outer devices' missing neighbour rows are the padding, filled with the reduction's identity
 (:func:`window_identity`: ``-inf`` for a max). ``select_and_scatter_add`` (max-pool gradient)
 takes a halo dim only when windows never straddle blocks (2×2/stride 2): with overlapping windows
@@ -47,7 +47,7 @@ from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn
 from partir_emu.core.registry import Primitive, register
 from partir_emu.errors import EmulationError
-from partir_emu.primitives._costs import Cost, elems, in_bytes, out_bytes
+from partir_emu.primitives.costs import Cost, elems, in_bytes, out_bytes
 
 Pads = Sequence[Sequence[int]]
 

@@ -19,9 +19,10 @@ device, ``read``/``write``, one loop):
 - everything else runs per device through the interpreter (the ``impl`` facet).
 
 :class:`Position` says where the run is (the equation index in the innermost program and, per
-enclosing loop, its equation index and iteration); the MPI mesh reads it to name a collective
-inside a loop body, :func:`partir_emu.runtime.progress.locate_in_engine` reads the same from a
-traceback's frames (``_run_block``'s ``i``/``eqn``, ``_run_loop``'s ``it``, a frame's ``d``).
+enclosing loop, its equation index and iteration, and the equation and device being run); the MPI
+mesh reads it to name a collective inside a loop body. An exception that leaves :func:`run_spmd`
+carries a snapshot of it (:func:`partir_emu.runtime.progress.engine_spot` reads it), so a rank's
+failure report names the equation, the iteration and the device without reading any frame.
 
 Peak memory per device: buffers are released by the one liveness analysis
 (:func:`partir_emu.core.analysis.liveness`, whose docstring states the convention, loops in its
@@ -60,6 +61,7 @@ from partir_emu.runtime.interpreter import (
     put_rows,
 )
 from partir_emu.runtime.kernels import kernels as numerics
+from partir_emu.runtime.progress import EngineSpot, mark_spot
 
 Collective = Callable[[Eqn, dict[int, np.ndarray]], dict[int, np.ndarray]]
 
@@ -77,6 +79,14 @@ class Position:
 
     index: int = -1
     loops: list[tuple[int, int]] = field(default_factory=list)
+    eqn: Eqn | None = None            # the equation at ``index`` (None: none yet)
+    device: int | None = None         # the device it runs for, while it runs per device
+
+    def spot(self) -> EngineSpot:
+        """A snapshot (what an exception carries out of :func:`run_spmd`)."""
+        if self.eqn is None:
+            return EngineSpot(device=self.device)
+        return EngineSpot(self.index, self.eqn, self.device, tuple(self.loops))
 
     @property
     def top(self) -> int:
@@ -95,9 +105,16 @@ def run_spmd(spmd: SpmdProgram, devices: Sequence[int], local_inputs: Mapping[in
     if missing:
         raise ArgumentError(f"no local inputs for devices {missing}")
     args = {d: check_inputs(prog, local_inputs[d], f"SPMD program (device {d}, local blocks)") for d in devices}
-    run = _Lockstep(spmd.mesh, devices, collective, position if position is not None else Position())
-    with numerics(kernels):
-        results, peak = run._run_block(prog, args)
+    pos = position if position is not None else Position()
+    pos.index, pos.eqn, pos.device = -1, None, None
+    pos.loops.clear()
+    run = _Lockstep(spmd.mesh, devices, collective, pos)
+    try:
+        with numerics(kernels):
+            results, peak = run.run_block(prog, args)
+    except Exception as exc:
+        mark_spot(exc, pos.spot())
+        raise
     outputs = {d: [output_value(x) for x in results[d]] for d in devices}
     return EngineResult(outputs, peak)
 
@@ -125,7 +142,7 @@ class _Lockstep:
             got = self._plans[id(program)] = (program, liveness(program))
         return got[1]
 
-    def _run_block(self, program: Program, args: Mapping[int, Sequence[Any]]) -> tuple[dict[int, list], dict[int, int]]:
+    def run_block(self, program: Program, args: Mapping[int, Sequence[Any]]) -> tuple[dict[int, list], dict[int, int]]:
         """Run ``program`` on every device from ``args`` (its inputs per device): its results and
         its peak live bytes per device, counted from its own start point."""
         devices, pos = self.devices, self.position
@@ -155,11 +172,11 @@ class _Lockstep:
             release(d, plan.at_start)
 
         for i, eqn in enumerate(program.eqns):
-            pos.index = i
+            pos.index, pos.eqn = i, eqn
             extra: Mapping[int, int] | None = None
             if eqn.prim == LOOP:
                 outs, extra = self._run_loop(i, eqn, {d: [read(d, a) for a in eqn.inputs] for d in devices})
-                pos.index = i
+                pos.index, pos.eqn = i, eqn
             else:
                 outs = self._run_eqn(eqn, read)
             for d in devices:
@@ -177,11 +194,20 @@ class _Lockstep:
             results = self.collective(eqn, {d: _array(read(d, a), a) for d in devices})
             return {d: [coerce_result(results[d], eqn.outputs[0], eqn)] for d in devices}
         entry = get(eqn.prim)
+        pos = self.position
+        out: dict[int, list] = {}
         if entry is not None and entry.per_device is not None:
             rule, mesh = entry.per_device, self.mesh
-            return {d: [coerce_result(rule(*[read(d, a) for a in eqn.inputs], mesh, d, **eqn.params),
-                                      eqn.outputs[0], eqn)] for d in devices}
-        return {d: eval_eqn(eqn, [read(d, a) for a in eqn.inputs]) for d in devices}
+            for d in devices:
+                pos.device = d
+                out[d] = [coerce_result(rule(*[read(d, a) for a in eqn.inputs], mesh, d, **eqn.params),
+                                        eqn.outputs[0], eqn)]
+        else:
+            for d in devices:
+                pos.device = d
+                out[d] = eval_eqn(eqn, [read(d, a) for a in eqn.inputs])
+        pos.device = None
+        return out
 
     def _run_loop(self, i: int, eqn: Eqn, operands: Mapping[int, list]) -> tuple[dict[int, list], dict[int, int]]:
         """A loop equation at index ``i``: its results per device, and per device the largest peak
@@ -196,7 +222,7 @@ class _Lockstep:
         for it in iteration_order(eqn):
             loops[-1] = (i, it)
             args = {d: [*split[d][0], *carry[d], *(x[it] for x in split[d][2])] for d in devices}
-            outs, peak = self._run_block(body, args)
+            outs, peak = self.run_block(body, args)
             for d in devices:
                 carry[d] = outs[d][:nk]
                 put_rows(ys[d], it, outs[d][nk:])

@@ -12,7 +12,7 @@ Why each part:
   in-process mesh ran with the machine's default, and the U-Net's bias gradients differed
   between the two in the last bit on an AVX2 machine. Now both pin it here, for the duration of
   the run, whatever the environment says (``threadpoolctl`` finds the BLAS numpy loaded).
-- **The matmul kernel** (:mod:`partir_emu.primitives.matmul`): ``"blas"`` (default) or
+- **The matmul kernel** (:mod:`partir_emu.primitives.dot`): ``"blas"`` (default) or
   ``"exact"``, the fixed-order product whose result elements depend only on their own row and
   column: with it a program tiled by rows equals the unpartitioned one bit for bit where no sum
   crosses devices, on any machine.
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from threadpoolctl import threadpool_limits
 
 from partir_emu.errors import ArgumentError
-from partir_emu.primitives.matmul import KERNEL, KERNELS
+from partir_emu.primitives.dot import KERNEL, KERNELS
 
 __all__ = ["KERNELS", "check_kernels", "kernels"]
 

@@ -1,6 +1,6 @@
 """Where a rank is: op descriptions for error messages, and the progress record.
 
-A rank of an MPI run (:class:`partir_emu.runtime.worker.RankGuard`) keeps a
+A rank of an MPI run (:class:`partir_emu.mpi.rank.guard.RankGuard`) keeps a
 fixed-size JSON record ``rank-NNNNN.json`` up to date in the run's progress
 directory: ``rank``, ``pid``, ``host``, ``job``, ``phase`` (startup, inputs,
 barrier, step, gather, ..., ``done`` or ``failed``), ``devices``, ``shm`` (its
@@ -9,8 +9,8 @@ MPICH segments), ``t`` (wall time) and, inside the step, ``op``/``prim``/
 ``[equation index, iteration]`` of each enclosing loop, outermost first; and ``seq``, the
 collective's number in the run, which orders positions across iterations), plus ``error`` once it failed
 and ``stopped_by`` (``SIGTERM`` …) once a stop signal ended it.
-The launcher's supervisor (:mod:`partir_emu.runtime.supervise`), or under a
-user's mpirun the host's :mod:`partir_emu.runtime.sentinel`, reads these
+The launcher's supervisor (:mod:`partir_emu.mpi.supervise`), or under a
+user's mpirun the host's :mod:`partir_emu.mpi.sentinel`, reads these
 records to say which rank died first, in which op. Neither side imports mpi4py
 for this.
 """
@@ -89,31 +89,21 @@ class EngineSpot:
         return describe_op(self.index, self.eqn, self.loops)
 
 
-def locate_in_engine(exc: BaseException) -> EngineSpot:
-    """The equation :func:`engine.run_spmd` was evaluating when ``exc`` was raised, read from the
-    traceback's frames: each ``_run_block`` frame (one per program: the SPMD program, then each loop
-    body entered) gives ``i``/``eqn``, each ``_run_loop`` frame the iteration ``it``, the innermost
-    frame holding a device ``d`` the device."""
-    blocks: list[tuple[Any, Any]] = []
-    its: list[Any] = []
-    device = None
-    tb = exc.__traceback__
-    while tb is not None:
-        f = tb.tb_frame
-        if f.f_code.co_filename.endswith("engine.py"):
-            loc = f.f_locals
-            if f.f_code.co_name == "_run_block" and "eqn" in loc:
-                blocks.append((loc.get("i"), loc.get("eqn")))
-            elif f.f_code.co_name == "_run_loop" and "it" in loc:
-                its.append(loc["it"])
-            if isinstance(loc.get("d"), int):
-                device = loc["d"]
-        tb = tb.tb_next
-    if not blocks or not isinstance(blocks[-1][1], Eqn):
-        return EngineSpot(device=device)
-    index, eqn = blocks[-1]
-    loops = tuple((int(b[0]), int(it)) for b, it in zip(blocks[:-1], its))
-    return EngineSpot(index, eqn, device, loops)
+_SPOT = "partir_engine_spot"      # the attribute an exception leaving the engine carries
+
+
+def mark_spot(exc: BaseException, spot: EngineSpot) -> None:
+    """Attach where the engine was (:class:`partir_emu.runtime.engine.Position`) to ``exc``, once:
+    the innermost run that saw it knows best."""
+    if getattr(exc, _SPOT, None) is None:
+        setattr(exc, _SPOT, spot)
+
+
+def engine_spot(exc: BaseException) -> EngineSpot:
+    """Where :func:`partir_emu.runtime.engine.run_spmd` was when ``exc`` left it (all None: it did not
+    come from the engine)."""
+    spot = getattr(exc, _SPOT, None)
+    return spot if isinstance(spot, EngineSpot) else EngineSpot()
 
 
 def progress_path(progress_dir: str | os.PathLike, rank: int) -> Path:

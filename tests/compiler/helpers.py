@@ -6,7 +6,7 @@ import string
 from collections.abc import Sequence
 
 from partir_emu.compiler.api import partition
-from partir_emu.compiler.lower import lower
+from partir_emu.compiler.lowering.lower import lower
 from partir_emu.compiler.state import ShardingState
 from partir_emu.compiler.tactics import Tactic
 from partir_emu.core.factors import FactorRule

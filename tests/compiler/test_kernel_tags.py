@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partir_emu.compiler.api import lower_program
+from partir_emu.compiler.api import partition_and_lower
 from partir_emu.compiler.tactics import ManualPartition
-from partir_emu.compiler.trace import trace
+from partir_emu.compiler.tracing.trace import trace
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 
@@ -52,7 +52,7 @@ def test_no_scope_no_tag():
 def test_lowering_and_file_format_keep_tags(tmp_path):
     q = np.ones((4, 8), np.float32)
     p = trace(lambda q, k: _att(q, k), q, q, arg_names=["q", "k"])
-    spmd = lower_program(p, Mesh(batch=2), [ManualPartition({"q": 0}, axis="batch")]).spmd
+    spmd = partition_and_lower(p, Mesh(batch=2), [ManualPartition({"q": 0}, axis="batch")]).spmd
     assert any(e.kernel == "toy" for e in spmd.program.eqns)
     path = tmp_path / "p.json"
     spmd.save(path)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from partir_emu.compiler.api import lower_program
-from partir_emu.compiler.lower import lower
+from partir_emu.compiler.api import partition_and_lower
+from partir_emu.compiler.lowering.lower import lower
 from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition
 from partir_emu.compiler.tactics import ManualPartition as MP
 from partir_emu.core.ir import verify
@@ -370,7 +370,7 @@ def test_lower_program_records_the_tactics_and_replays_states_with_the_cost_mode
     def model(tactic):
         calls.append(tactic.axis)
         return lambda spmd: float(sum(v.nbytes for v in spmd.program.inputs))
-    low = lower_program(b.build(y), AB, [MP({"x": 0}, axis="a"), AutomaticPartition("b", inputs="w")],
+    low = partition_and_lower(b.build(y), AB, [MP({"x": 0}, axis="a"), AutomaticPartition("b", inputs="w")],
                         cost_model=model)
     assert low.spmd.meta["tactics"] == ["tactic 0 (a)", "auto:b"]
     assert low.final_state.auto_results[0][1].decisions == {"w": 0}
@@ -387,4 +387,4 @@ def test_lowering_the_state_directly_equals_lower_program():
     b, x, w, y = matmul_program()
     prog = b.build(y)
     direct = lower(state_after(prog, A2, MP({"x": 1}, axis="a")))
-    assert direct.pretty() == lower_program(prog, A2, [MP({"x": 1}, axis="a")]).spmd.pretty()
+    assert direct.pretty() == partition_and_lower(prog, A2, [MP({"x": 1}, axis="a")]).spmd.pretty()

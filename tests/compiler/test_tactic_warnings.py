@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from partir_emu.app.cli import main
+from partir_emu.app.cli.main import main
 from partir_emu.app.experiment import Experiment
 from partir_emu.compiler import api as compiler_api
-from partir_emu.compiler.api import lower_program
+from partir_emu.compiler.api import partition_and_lower
 from partir_emu.compiler.tactics import ManualPartition
 from partir_emu.core.mesh import Mesh
 from scenarios.common import STATE_OUTPUTS
@@ -33,7 +33,7 @@ def test_bp_and_z3_as_one_tactic_warn_with_counts(z3):
     merged: dict = {}
     for t in z3.schedule:
         merged.update(t.inputs)
-    low = lower_program(z3.program, z3.mesh, [ManualPartition(merged, axis="batch", name="bp+z3")], STATE_OUTPUTS)
+    low = partition_and_lower(z3.program, z3.mesh, [ManualPartition(merged, axis="batch", name="bp+z3")], STATE_OUTPUTS)
     within = [c for c in low.final_state.conflicts if c.within_tactic]
     assert within
     kinds = {c.kind for c in within}
@@ -54,7 +54,7 @@ def test_bp_and_z3_as_one_tactic_warn_with_counts(z3):
 
 @pytest.mark.slow
 def test_the_cli_prints_warnings_to_stderr(capsys, monkeypatch):
-    monkeypatch.setattr(compiler_api.Lowered, "warnings", property(lambda self: ["tactic 'x': 3 conflict(s)"]))
+    monkeypatch.setattr(compiler_api.Partitioned, "warnings", property(lambda self: ["tactic 'x': 3 conflict(s)"]))
     args = ["mlp", "--strategy", "z3", "--size", "tiny", "--mesh", "batch=2"]
     for cmd in (["show"], ["simulate", "--hardware", "tpu-v4"], ["run"]):
         main([*cmd, *args])

@@ -1,5 +1,5 @@
 """ZeRO-3 under casts (issue 11 item 4): one all-gather per parameter per pass, of the cast value,
-and the gathered copy freed between the passes (:mod:`partir_emu.compiler.rematerialise_gathers`)."""
+and the gathered copy freed between the passes (:mod:`partir_emu.compiler.lowering.gathers`)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from partir_emu.app.experiment import Experiment, run_local
-from partir_emu.compiler.rematerialise_gathers import cast_before_gather, rematerialise_gathers
+from partir_emu.compiler.lowering.gathers import cast_before_gather, rematerialise_gathers
 from partir_emu.core.ir import Eqn, Program, Var, verify
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.hwmodels.memory import peak_memory
+from partir_emu.hwmodels.compute.memory import peak_memory
 from partir_emu.runtime.local_mesh import LocalMesh
 
 LAYOUT = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims"}
@@ -129,9 +129,9 @@ def _mlp_step(cast: bool, layers: int = 4):
 
 
 def test_the_issues_mlp_gathers_bf16_per_pass_within_the_f32_peak():
-    from partir_emu.compiler.api import lower_program
+    from partir_emu.compiler.api import partition_and_lower
     from partir_emu.compiler.tactics import ManualPartition
-    from partir_emu.compiler.trace import trace
+    from partir_emu.compiler.tracing.trace import trace
 
     d, layers = 256, 4
     params = {f"{k}{i}": np.zeros(shape, np.float32) for i in range(layers) for k, shape in (("w", (d, d)), ("s", (d,)))}
@@ -141,7 +141,7 @@ def test_the_issues_mlp_gathers_bf16_per_pass_within_the_f32_peak():
     spmd = {}
     for cast in (False, True):
         prog = trace(_mlp_step(cast, layers), params, batch, arg_names=["params", "batch"])
-        spmd[cast] = lower_program(prog, mesh, sched, {"1": "params"}).spmd
+        spmd[cast] = partition_and_lower(prog, mesh, sched, {"1": "params"}).spmd
     per = _gathers_per_param(spmd[True])
     # forward: every weight and scale; backward: all but the first weight (no input gradient needed)
     assert {n: len(g) for n, g in per.items()} == {**{f"params/w{i}": 2 for i in range(1, layers)},

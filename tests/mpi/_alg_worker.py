@@ -19,8 +19,8 @@ from _layout import layout  # a sibling script module: this directory is sys.pat
 
 from partir_emu.collectives.algorithms import build_schedule
 from partir_emu.collectives.local import run_schedule
-from partir_emu.collectives.mpi import MpiCollectives
 from partir_emu.collectives.semantics import reference
+from partir_emu.mpi.rank.collectives import MpiCollectives
 
 TIMEOUT_S = 30.0
 

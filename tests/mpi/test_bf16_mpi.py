@@ -27,8 +27,8 @@ BF16 = "precision=bf16"
 
 @functools.cache
 def _launch(config: str) -> dict:
-    from partir_emu.app.mpi_run import launch
-    from partir_emu.runtime.jobs import save_inputs
+    from partir_emu.app.cli.mpi_run import launch
+    from partir_emu.mpi.jobs import save_inputs
     ranks, k = CONFIGS[config]
     tmp = tempfile.mkdtemp(prefix=f"partir-emu-bf16-{config}-")
     atexit.register(shutil.rmtree, tmp, True)

@@ -17,7 +17,7 @@ import pytest
 
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace
-from partir_emu.hwmodels.des.replay import replay
+from partir_emu.hwmodels.validation.replay import replay
 from partir_emu.runtime.local_mesh import LocalMesh
 from tests.test_collective_permute import permute_program
 

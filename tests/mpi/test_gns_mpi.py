@@ -12,10 +12,10 @@ import pytest
 
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace
-from partir_emu.hwmodels.des.replay import replay
-from partir_emu.runtime.jobs import save_inputs
+from partir_emu.hwmodels.validation.replay import replay
+from partir_emu.mpi.jobs import save_inputs
+from partir_emu.mpi.launch import MpiRun
 from partir_emu.runtime.local_mesh import LocalMesh
-from partir_emu.runtime.mpi_launch import MpiRun
 from tests.mpi.conftest import MPIEXEC, bit_equal
 from tests.test_gns import _case, _lowered
 

@@ -1,4 +1,4 @@
-"""A conv net train step with its spatial dims tiled (halo exchanges, ``compiler/halo.py``; H, and H×W
+"""A conv net train step with its spatial dims tiled (halo exchanges, ``compiler/lowering/halo.py``; H, and H×W
 on a 2-D mesh) and a 'SAME' max pooling (whose outer halo rows are -inf) over real MPI: bit-identical to the in-process LocalMesh and within float32 rounding of jax.jit, with 1 and 4
 devices per rank; the traced messages replay on the DES at the analytical price.
 
@@ -17,7 +17,7 @@ from jax import lax
 import partir_emu
 from partir_emu import ManualPartition, Mesh
 from partir_emu.core.msgtrace import read_message_trace
-from partir_emu.hwmodels.des.replay import replay
+from partir_emu.hwmodels.validation.replay import replay
 from partir_emu.runtime.local_mesh import LocalMesh
 from tests.mpi.conftest import MPIEXEC
 from tests.mpi.test_collective_permute_mpi import _launch

@@ -14,10 +14,10 @@ import pytest
 
 from partir_emu.core.msgtrace import read_message_trace
 from partir_emu.errors import EmulationError
-from partir_emu.hwmodels.des.replay import replay
-from partir_emu.runtime.jobs import save_inputs
+from partir_emu.hwmodels.validation.replay import replay
+from partir_emu.mpi.jobs import save_inputs
+from partir_emu.mpi.launch import MpiRun
 from partir_emu.runtime.local_mesh import LocalMesh
-from partir_emu.runtime.mpi_launch import MpiRun
 from tests.loop_programs import SPMD_PROGRAMS, global_inputs
 from tests.mpi.conftest import MPIEXEC, bit_equal
 
@@ -62,7 +62,7 @@ def test_loops_over_mpi_equal_local_mesh(tmp_path):
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to the interpreter")
 def test_failure_inside_a_loop_body_names_the_iteration(tmp_path):
     jobs, _ = _jobs(tmp_path, ["nested"], 1, "fault")
-    run = MpiRun(jobs, 4, timeout_s=60, workdir=tmp_path, env={"PARTIR_EMU_FAULT": "rank:1:op:0:raise"})
+    run = MpiRun(jobs, 4, timeout_s=60, workdir=tmp_path, fault="rank:1:op:0:raise")
     with pytest.raises(EmulationError) as info:
         run.start().wait()
     msg = str(info.value)

@@ -4,7 +4,7 @@ a mismatched collective, a hang ended by the ranks' watchdog and by the launcher
 Each run must end non-zero within 10 s of the failure (timeouts: of the deadline) with a
 message naming the rank, its device and the op, leave no process behind (``pgrep -f`` on the
 run's unique work dir) and no MPICH segment in /dev/shm. Failures are injected with the
-worker's test hook ``PARTIR_EMU_FAULT=rank:R:op:K:MODE``.
+test hook :mod:`partir_emu.mpi.faults` (``rank:R:op:K:MODE``, passed with the job).
 """
 from __future__ import annotations
 
@@ -35,15 +35,14 @@ def _program():
 def _run(tmp_path: Path, fault: str | None, *, k: int = 1, timeout_s: float = 60, rank_timeout_s=None,
          env: dict | None = None):
     """Launch the mlp/bp program on 4 devices; returns (error or None, seconds, work dir)."""
-    from partir_emu.app.mpi_run import ScenarioMpiRun as MpiRun
+    from partir_emu.app.cli.mpi_run import ScenarioMpiRun as MpiRun
     from partir_emu.errors import EmulationError
     _, spmd, _ = _program()
     work = tmp_path / "run"
     work.mkdir()
     spmd.save(work / "program.json")
     job = {"program": str(work / "program.json"), "scenario": "mlp", "algorithm": "ring", "devices_per_rank": k}
-    env = dict(env or {}, **({"PARTIR_EMU_FAULT": fault} if fault else {}))
-    run = MpiRun([job], 4 // k, timeout_s=timeout_s, rank_timeout_s=rank_timeout_s, workdir=work, env=env)
+    run = MpiRun([job], 4 // k, timeout_s=timeout_s, rank_timeout_s=rank_timeout_s, workdir=work, env=env, fault=fault)
     t0 = time.monotonic()
     try:
         run.start().wait()
@@ -146,10 +145,10 @@ def test_cli_reports_rank_failure_and_exits_nonzero(tmp_path):
     _, _, comm = _program()
     op = comm[3]
     exe = Path(sys.executable).parent / "partir-emu"
-    env = dict(os.environ, PARTIR_EMU_FAULT=f"rank:1:op:{op}:raise", TMPDIR=str(tmp_path))
+    env = dict(os.environ, TMPDIR=str(tmp_path))
     out = subprocess.run([str(exe), "run", "mlp", "--strategy", "bp", "--mesh", MESH, "--backend", "mpi",
                           "--devices", "4", "--devices-per-rank", "2", "--timeout", "60", "--report",
-                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=wall(120), env=env)
+                          str(tmp_path / "r.json"), "--inject-fault", f"rank:1:op:{op}:raise"], capture_output=True, text=True, timeout=wall(120), env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"partir-emu rank 1 devices 2-3 op {op} (all_reduce at " in out.stderr, out.stderr
     assert not (tmp_path / "r.json").exists()
@@ -164,10 +163,11 @@ def test_rank_failure_under_users_mpirun(tmp_path):
     op = comm[1]
     exe = Path(sys.executable).parent / "partir-emu"
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = dict(os.environ, PARTIR_EMU_FAULT=f"rank:1:op:{op}:raise", MPIEXEC_TIMEOUT="60")
+    env = dict(os.environ, MPIEXEC_TIMEOUT="60")
     t0 = time.monotonic()
     out = subprocess.run([str(mpiexec), "-n", "2", str(exe), "run", "mlp", "--strategy", "bp", "--mesh", MESH,
-                          "--backend", "mpi", "--devices-per-rank", "2", "--timeout", "60"],
+                          "--backend", "mpi", "--devices-per-rank", "2", "--timeout", "60",
+                          "--inject-fault", f"rank:1:op:{op}:raise"],
                          capture_output=True, text=True, timeout=wall(90), env=env)
     assert out.returncode != 0
     assert f"partir-emu rank 1 devices 2-3 op {op} (all_reduce at " in out.stderr + out.stdout, out.stderr
@@ -186,9 +186,9 @@ def test_progress_records_are_json(tmp_path, baseline_s):
 def test_local_op_failure_names_device_and_op(monkeypatch):
     """A failing non-collective equation is located from the engine's frames: its index,
     primitive, source line and the device being evaluated (no MPI needed)."""
+    from partir_emu.mpi.rank.guard import RankGuard
     from partir_emu.runtime import engine
     from partir_emu.runtime.local_mesh import LocalMesh
-    from partir_emu.runtime.worker import RankGuard
     exp, spmd = lowered("mlp", "bp", "batch=4")
     target = next(i for i, e in enumerate(spmd.program.eqns) if e.prim == "dot_general")
     calls = []

@@ -50,7 +50,7 @@ def _cases(config: str) -> list[tuple[str, str, str, str]]:
 @functools.cache
 def _launch(config: str) -> dict:
     """Run every case of ``config`` in one mpiexec launch; results by case."""
-    from partir_emu.app.mpi_run import launch
+    from partir_emu.app.cli.mpi_run import launch
     ranks, k, _ = CONFIGS[config]
     tmp = tempfile.mkdtemp(prefix=f"partir-emu-test-{config}-")
     atexit.register(shutil.rmtree, tmp, True)
@@ -95,7 +95,7 @@ def test_scenario_strategy_equals_jax(config, mesh, scenario, strategy, algorith
 
 def test_rank_inputs_equal_experiment_inputs():
     """Ranks build inputs without jax; they must be the Experiment's, bit for bit."""
-    from partir_emu.app.mpi_run import numpy_inputs
+    from partir_emu.app.cli.mpi_run import numpy_inputs
     for sc in SCENARIOS:
         exp, _ = lowered(sc, "bp", "batch=4,model=2")
         ours = numpy_inputs(sc, None, None, 0)
@@ -106,8 +106,8 @@ def test_rank_inputs_equal_experiment_inputs():
 
 def test_worker_never_imports_jax():
     """Importing everything a worker rank uses must not pull in jax."""
-    code = ("import sys, partir_emu.runtime.worker, partir_emu.runtime.mpi_mesh, partir_emu.runtime.mpi_launch, "
-            "partir_emu.app.cli, partir_emu.app.mpi_run as w; w.numpy_inputs('transformer', None, None, 0); "
+    code = ("import sys, partir_emu.mpi.rank.worker, partir_emu.mpi.rank.mesh, partir_emu.mpi.launch, "
+            "partir_emu.app.cli.main, partir_emu.app.cli.mpi_run as w; w.numpy_inputs('transformer', None, None, 0); "
             "w.numpy_inputs('mlp', None, None, 0); "
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -117,14 +117,14 @@ def test_worker_never_imports_jax():
 
 def _cli(args: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "partir-emu"
-    cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "partir_emu.app.cli", *args]
+    cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "partir_emu.app.cli.main", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def test_cli_self_launched_with_inputs_and_trace(tmp_path):
     """`partir-emu run --backend mpi --devices N` launches mpiexec itself, loads --inputs,
     verifies, reports, and writes a message trace that matches the schedules."""
-    from partir_emu.app.mpi_run import numpy_inputs
+    from partir_emu.app.cli.mpi_run import numpy_inputs
     from partir_emu.collectives.algorithms import build_schedule
     from partir_emu.core.msgtrace import read_message_trace
     from partir_emu.core.spmd import COMM_PRIMS

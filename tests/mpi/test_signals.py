@@ -2,7 +2,7 @@
 (self-launched, and under the user's own ``mpiexec``) and a rank dying under the user's mpiexec.
 
 Each run is a 2-rank ``mlp --size tiny`` job whose rank 1 hangs before its first collective
-(the worker's test hook ``PARTIR_EMU_FAULT=rank:1:op:0:hang``), so it is surely running when
+(the test hook ``--inject-fault rank:1:op:0:hang``, :mod:`partir_emu.mpi.faults`), so it is surely running when
 the signal arrives: the test polls the ranks' progress records until both are in the step,
 notes every process of the job and the ``/dev/shm`` segments they map, sends the signal, and
 then asserts: the job ends within 5 s with exit status 128 + signum, exactly one
@@ -95,8 +95,13 @@ def _with_marker(marker: str) -> list[int]:
 
 
 # -- a job ---------------------------------------------------------------------------------------
-def _env(tmp_path: Path, fault: str) -> dict[str, str]:
-    return dict(os.environ, TMPDIR=str(tmp_path), PARTIR_EMU_FAULT=fault, MPIEXEC_TIMEOUT="60",
+def _fault(spec: str) -> list[str]:
+    """The CLI's hidden test option that makes a rank misbehave (partir_emu.mpi.faults)."""
+    return ["--inject-fault", spec]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, TMPDIR=str(tmp_path), MPIEXEC_TIMEOUT="60",
                 JAX_PLATFORMS="cpu")
 
 
@@ -172,7 +177,7 @@ def _partir_lines(text: str) -> list[str]:
 def test_signal_to_self_launched_run(tmp_path, sig):
     """``partir-emu run --backend mpi`` stops mpiexec and every rank, removes the shm segment
     and its temp dir, and says so in one line (SIGINT goes to the process group, as Ctrl-C)."""
-    proc = subprocess.Popen([str(EXE), *RUN, "--devices", "2"], env=_env(tmp_path, "rank:1:op:0:hang"),
+    proc = subprocess.Popen([str(EXE), *RUN, "--devices", "2", *_fault("rank:1:op:0:hang")], env=_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     out, err, secs, tree, shm = _signal_once_running(
         proc, str(tmp_path / "partir-emu-mpi-*" / "progress" / "rank-*.json"), sig, group=sig == signal.SIGINT)
@@ -191,8 +196,8 @@ def test_signal_to_users_mpiexec(tmp_path, sig):
     """``mpiexec -n 2 partir-emu run …``: mpiexec forwards SIGINT/SIGTERM, the ranks drop their
     segment and exit 128 + signum, and the job's watcher prints one line. SIGHUP kills mpiexec
     itself (hydra then SIGKILLs the ranks): nobody is left to print to, but nothing may leak."""
-    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1"],
-                            env=_env(tmp_path, "rank:1:op:0:hang"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1", *_fault("rank:1:op:0:hang")],
+                            env=_env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     out, err, secs, tree, shm = _signal_once_running(proc, str(tmp_path / "partir-emu-ranks-*" / "rank-*.json"), sig)
     assert secs < STOP_S, f"took {secs:.1f} s to stop"
@@ -210,8 +215,8 @@ def test_signal_to_users_mpiexec(tmp_path, sig):
 def test_rank_death_under_users_mpiexec_is_named_once(tmp_path):
     """A rank SIGKILLed in a collective (hydra then SIGKILLs the others): one line names it, its
     device and op; the segment and the progress directory are removed."""
-    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1"],
-                            env=_env(tmp_path, "rank:1:op:0:kill"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1", *_fault("rank:1:op:0:kill")],
+                            env=_env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         recs = _wait_for(proc, str(tmp_path / "partir-emu-ranks-*" / "rank-*.json"), 2, None)
@@ -233,7 +238,7 @@ def test_rank_death_under_users_mpiexec_is_named_once(tmp_path):
 def test_bad_input_under_users_mpiexec_prints_once(tmp_path):
     """Every rank raises the same usage error; rank 0 alone prints it."""
     out = subprocess.run([str(MPIEXEC), "-n", "2", str(EXE), "run", "mlp", "--size", "tiny", "--mesh", "batch=3",
-                          "--backend", "mpi", "--devices-per-rank", "1"], env=_env(tmp_path, ""),
+                          "--backend", "mpi", "--devices-per-rank", "1"], env=_env(tmp_path),
                          capture_output=True, text=True, timeout=wall(60))
     assert out.returncode == 2, out.stderr
     lines = _partir_lines(out.stderr + out.stdout)
@@ -244,8 +249,8 @@ def test_bad_input_under_users_mpiexec_prints_once(tmp_path):
 def test_timeout_under_users_mpiexec_is_reported_once(tmp_path):
     """Every rank's watchdog fires at once; the first to claim it prints one line for all."""
     t0 = time.monotonic()
-    out = subprocess.run([str(MPIEXEC), "-n", "2", str(EXE), *RUN[:-1], "4", "--devices-per-rank", "1"],
-                         env=_env(tmp_path, "rank:1:op:0:hang"), capture_output=True, text=True, timeout=wall(60))
+    out = subprocess.run([str(MPIEXEC), "-n", "2", str(EXE), *RUN[:-1], "4", "--devices-per-rank", "1", *_fault("rank:1:op:0:hang")],
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=wall(60))
     assert out.returncode != 0
     assert time.monotonic() - t0 < wall(30)
     lines = _partir_lines(out.stderr + out.stdout)

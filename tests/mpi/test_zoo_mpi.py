@@ -54,7 +54,7 @@ def _id(case: tuple) -> str:
 
 @functools.cache
 def _launch(scenario: str, overrides: str | None, config: str) -> dict:
-    from partir_emu.app.mpi_run import launch
+    from partir_emu.app.cli.mpi_run import launch
     ranks, k = CONFIGS[config]
     tmp = tempfile.mkdtemp(prefix=f"partir-emu-zoo-{scenario}-{config}-")
     atexit.register(shutil.rmtree, tmp, True)
@@ -113,7 +113,7 @@ def test_zoo_strategy_over_mpi_equals_jax_and_local_mesh(config, case):
 def test_exact_kernels_over_mpi_equal_the_local_mesh():
     """A job's ``kernels: exact`` reaches the ranks: the U-Net with its image rows tiled runs the
     fixed-order matmul there as here, bit for bit (and says so in its stats)."""
-    from partir_emu.app.mpi_run import launch
+    from partir_emu.app.cli.mpi_run import launch
     from partir_emu.runtime.local_mesh import LocalMesh
     exp, spmd = lowered("unet", "spatial", "spatial=4")
     tmp = tempfile.mkdtemp(prefix="partir-emu-zoo-exact-")

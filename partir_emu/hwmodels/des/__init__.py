@@ -8,16 +8,17 @@ each part sees of the others), :mod:`.stream` (the op stream a device runs; loop
 iteration by iteration), :mod:`.device` (devices running it, SPMD symmetry),
 :mod:`.collective` (schedules over all groups), :mod:`.plans` (their steps as flows),
 :mod:`.classes` (symmetry classes of members and flows), :mod:`.network` (flow-level max-min),
-:mod:`.chunked` (store-and-forward), :mod:`.routing` (routes, degraded/failed links),
+:mod:`partir_emu.hwmodels.des.network.chunked` (store-and-forward), :mod:`partir_emu.hwmodels.des.network.routing` (routes, degraded/failed links),
 :mod:`.trace_export` (Perfetto), :mod:`.validate` (analytical vs DES on given programs),
-:mod:`.replay` (MPI message traces). The command line (``simulate-des``, ``validate``,
+:mod:`partir_emu.hwmodels.validation.replay` (MPI message traces). The command line (``simulate-des``, ``validate``,
 ``replay``) and the validation suites live in :mod:`partir_emu.app`. Imports neither jax
 nor mpi4py.
 """
 from partir_emu.hwmodels.des.model import DesError, DesOptions, Simulation, simulate_des
-from partir_emu.hwmodels.des.network import FlowNetwork, max_min_rates
+from partir_emu.hwmodels.des.network.rates import max_min_rates
+from partir_emu.hwmodels.des.network.routing import Router, parse_links
+from partir_emu.hwmodels.des.network.spans import FlowNetwork
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
-from partir_emu.hwmodels.des.routing import Router, parse_links
 
 __all__ = ["simulate_des", "DesOptions", "DesReport", "DesCollectiveRow", "LinkRow", "DesError", "Simulation",
            "FlowNetwork", "max_min_rates", "Router", "parse_links"]

@@ -10,7 +10,7 @@ the flows it sends and receives. Repeat until the number of colours is stable (a
 partition: every member of a class sends and receives the same numbers of flows of each flow class).
 
 :func:`reduce_plans` rewrites the plans over classes: a "member" is a class, a flow is a class of
-flows with its multiplicity (:class:`~.routing.FlowClasses`), and each delivery counts for
+flows with its multiplicity (:class:`~partir_emu.hwmodels.des.network.routing.FlowClasses`), and each delivery counts for
 ``mult / class size`` messages of each member. :class:`~.collective.CollectiveRun` runs them
 unchanged. Exactness does not rest on the refinement alone; what it cannot see is checked while
 running, and a failed check only makes the simulation finer, never different:
@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from partir_emu.hwmodels.des.network.routing import FlowClasses, Router
 from partir_emu.hwmodels.des.plans import StepPlan
-from partir_emu.hwmodels.des.routing import FlowClasses, Router
 
 MAX_ROUNDS = 4096          # refinement rounds (each splits a class; past this, no classes)
 MIN_GAIN = 2               # use classes only if they are at least this many times fewer than members

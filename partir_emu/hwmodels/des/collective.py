@@ -104,7 +104,7 @@ class CollectiveRun:
             else:
                 self._expand()                      # part of a class opens now: go on member by member
         self._t0[members] = t
-        self._enter(members, 0, t)
+        self.enter(members, 0, t)
 
     def expand(self) -> None:
         """Go on member by member (the network found a class whose flows no longer move alike)."""
@@ -130,11 +130,11 @@ class CollectiveRun:
             c = self._count[s] = self.plans[s].count0.copy()
         return c
 
-    def _enter(self, members: np.ndarray, s: int, t: float) -> None:
+    def enter(self, members: np.ndarray, s: int, t: float) -> None:
         S = len(self.plans)
         while members.size:
             if s > 0:
-                self._leave(s - 1, members.size)
+                self.leave(s - 1, members.size)
             if s >= S:
                 self._finish(members, t)
                 return
@@ -150,7 +150,7 @@ class CollectiveRun:
             members = members[self._counts(s)[members] == 0]   # nothing to send or receive in step s
             s += 1
 
-    def _leave(self, s: int, n: int) -> None:
+    def leave(self, s: int, n: int) -> None:
         """``n`` members are done with step ``s``: once all are, its counters go (a ring over 4096
         members has 8190 steps of 4096 counters)."""
         left = self._left.get(s, 0) + n
@@ -160,7 +160,7 @@ class CollectiveRun:
         else:
             self._left[s] = left
 
-    def _idx(self, plan: StepPlan, members: np.ndarray) -> np.ndarray | None:
+    def index_of(self, plan: StepPlan, members: np.ndarray) -> np.ndarray | None:
         """The flows (entries) of ``plan`` that ``members`` send; ``None``: all of them."""
         if members.size == self.M:
             return None
@@ -173,12 +173,12 @@ class CollectiveRun:
         return plan.out_flows(members)
 
     def _send(self, plan: StepPlan, s: int, members: np.ndarray, t: float) -> None:
-        idx = self._idx(plan, members)
+        idx = self.index_of(plan, members)
         if idx is not None and not idx.size:
             return
         overhead = self.host.message_overhead_s
         if overhead <= 0:
-            self._post(plan, s, idx, plan.nbytes if idx is None else plan.nbytes[idx])
+            self.post(plan, s, idx, plan.nbytes if idx is None else plan.nbytes[idx])
             return
         # each message costs its sender `overhead` to post, one after the other
         ids = np.arange(len(plan.src)) if idx is None else idx
@@ -188,10 +188,10 @@ class CollectiveRun:
             ev = self.host.env.timeout((r + 1) * overhead)
 
             def post(_e: object, sel: np.ndarray = sel) -> None:
-                self._post(plan, s, sel, plan.nbytes[sel])
+                self.post(plan, s, sel, plan.nbytes[sel])
             ev.callbacks.append(post)
 
-    def _post(self, plan: StepPlan, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
+    def post(self, plan: StepPlan, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
         """Send flows ``idx`` (all: ``None``) of step ``s`` now, ``nbytes`` each; deliveries go to :meth:`_delivered`."""
         def cb(ids: np.ndarray | None, when: float, flows: bool = False, s: int = s,
                over: bool = plan.classes is not None) -> None:
@@ -219,7 +219,7 @@ class CollectiveRun:
             if cand.size > 1:                       # (few classes: a set is cheaper than np.unique)
                 cand = np.unique(cand) if cand.size > 64 else np.array(sorted(set(cand.tolist())), dtype=np.int64)
         if cand.size:
-            self._enter(cand, s + 1, t)
+            self.enter(cand, s + 1, t)
 
     def _finish(self, members: np.ndarray, t: float) -> None:
         self.cur[members] = len(self.plans)

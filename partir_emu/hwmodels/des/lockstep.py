@@ -17,17 +17,13 @@ is the event-by-event one (the float operations are the same, ``t + delay`` then
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
+from partir_emu.hwmodels.des.network.rates import SAME_INSTANT
 from partir_emu.hwmodels.des.plans import StepPlan
-from partir_emu.hwmodels.des.rates import SAME_INSTANT
-
-if TYPE_CHECKING:                        # (a cycle otherwise: the run builds spans, a span drives its run)
-    from partir_emu.hwmodels.des.collective import CollectiveRun
-    from partir_emu.hwmodels.des.protocols import SpanNetwork
-
+from partir_emu.hwmodels.des.protocols import SpanNetwork, SpanRun
 
 
 class SpanStep(NamedTuple):
@@ -44,7 +40,7 @@ class SpanStep(NamedTuple):
 class Span:
     """Steps ``s0 .. s0 + len(steps) - 1`` of ``members`` of ``run``, priced ahead (module docstring)."""
 
-    def __init__(self, run: CollectiveRun, net: SpanNetwork, members: np.ndarray, s0: int,
+    def __init__(self, run: SpanRun, net: SpanNetwork, members: np.ndarray, s0: int,
                  steps: list[SpanStep], links: np.ndarray) -> None:
         self.run, self.net, self.members, self.s0, self.steps = run, net, members, s0, steps
         self.live = True
@@ -67,8 +63,8 @@ class Span:
         self._count(self.steps)
         run, n = self.run, self.members.size
         for k in range(self.s0, self.s0 + len(self.steps) - 1):
-            run._leave(k, n)
-        run._enter(self.members, self.s0 + len(self.steps), t_end)
+            run.leave(k, n)
+        run.enter(self.members, self.s0 + len(self.steps), t_end)
 
     def cancel(self, now: float) -> None:
         """Hand the members back now (their run goes on member by member: :meth:`CollectiveRun.expand`)."""
@@ -89,14 +85,14 @@ class Span:
         st = self.steps[k]
         self._count(self.steps[:k])
         for j in range(self.s0, self.s0 + k):
-            run._leave(j, members.size)
+            run.leave(j, members.size)
         s = self.s0 + k
         run.cur[members] = s
         if now < st.t1 and st.t2 > now:
             # transmitting: send what is left, at the rates they had alone so far
             left = np.maximum(st.nbytes - st.rate * (now - st.t0), 0.0)
             net.account(st.plan.route, st.plan.classes, st.idx, st.nbytes - left, None, None)
-            net.call_later(0.0, lambda _now: run._post(st.plan, s, st.idx, left))
+            net.call_later(0.0, lambda _now: run.post(st.plan, s, st.idx, left))
             return
         # delivered already or in flight on the wire: they enter the next step when it is delivered
         self._count([st])
@@ -107,7 +103,7 @@ class Span:
             if run.classes is not classes:      # expanded since: classes to members
                 assert classes is not None
                 units = classes.expand(members)
-            run._enter(units, s + 1, st.t2)
+            run.enter(units, s + 1, st.t2)
         net.call_later(max(st.t2 - now, 0.0), enter)
 
 
@@ -132,7 +128,7 @@ MAX_STEPS = 256              # steps one span prices ahead (then the next span s
 MAX_LINKS = 1 << 18          # link entries one span holds (a 4096-member ring step alone has 4096)
 
 
-def _alone_together(run: CollectiveRun, net: SpanNetwork, plan: StepPlan, members: np.ndarray, mb: bytes) -> bool:
+def _alone_together(run: SpanRun, net: SpanNetwork, plan: StepPlan, members: np.ndarray, mb: bytes) -> bool:
     """``members`` all have flows in ``plan``'s step and talk only among themselves (cached per step
     shape and members: a ring's classes ask this at every step)."""
     key = (id(plan.src), mb)
@@ -140,7 +136,7 @@ def _alone_together(run: CollectiveRun, net: SpanNetwork, plan: StepPlan, member
     if ok is None:
         ok = bool(plan.count0[members].all())
         if ok and members.size < run.M:
-            idx = run._idx(plan, members)
+            idx = run.index_of(plan, members)
             inside = np.zeros(run.M, dtype=bool)
             inside[members] = True
             # (what they send must stay inside, checked first: it fails fastest)
@@ -149,7 +145,7 @@ def _alone_together(run: CollectiveRun, net: SpanNetwork, plan: StepPlan, member
     return ok
 
 
-def _template(run: CollectiveRun, net: SpanNetwork, members: np.ndarray, s: int, mb: bytes) -> _Plan:
+def _template(run: SpanRun, net: SpanNetwork, members: np.ndarray, s: int, mb: bytes) -> _Plan:
     steps: list = []
     links: list[np.ndarray] = []
     total = 0
@@ -157,7 +153,7 @@ def _template(run: CollectiveRun, net: SpanNetwork, members: np.ndarray, s: int,
         plan = run.plans[k]
         if not _alone_together(run, net, plan, members, mb):
             break
-        idx = run._idx(plan, members)
+        idx = run.index_of(plan, members)
         lk = net.links_of(plan.route, plan.classes, idx)
         total += len(lk)
         if total > MAX_LINKS and steps:
@@ -192,7 +188,7 @@ def _template(run: CollectiveRun, net: SpanNetwork, members: np.ndarray, s: int,
     return _Plan(steps, ulinks, step_of[at])
 
 
-def plan_span(run: CollectiveRun, net: SpanNetwork, members: np.ndarray, s: int, now: float) -> Span | None:
+def plan_span(run: SpanRun, net: SpanNetwork, members: np.ndarray, s: int, now: float) -> Span | None:
     """The span of ``members`` entering step ``s`` at ``now`` (module docstring), or ``None`` when it
     would be shorter than two steps (then the ordinary path is as cheap). What the span would be
     apart from the network's state is kept per (plans, members, step) in ``net.span_plans``."""

@@ -34,21 +34,20 @@ import numpy as np
 import simpy
 
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.hwmodels.analytical import DEFAULT_ANALYZER, Analyzer
-from partir_emu.hwmodels.comm import CommModel
-from partir_emu.hwmodels.des.chunked import ChunkNetwork
+from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des.classes import MemberClasses, class_ids, reduce_plans
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, StepPlan, make_groups, step_plans
 from partir_emu.hwmodels.des.device import Devices
-from partir_emu.hwmodels.des.network import FlowNetwork
-from partir_emu.hwmodels.des.progress import Progress
+from partir_emu.hwmodels.des.network.chunked import ChunkNetwork
+from partir_emu.hwmodels.des.network.routing import DesError, Router, SymmetryBroken, link_factors
+from partir_emu.hwmodels.des.network.spans import FlowNetwork
 from partir_emu.hwmodels.des.protocols import Network
-from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
-from partir_emu.hwmodels.des.routing import DesError, Router, SymmetryBroken, link_factors
+from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow, Progress
 from partir_emu.hwmodels.des.stream import OpStream, compile_stream
 from partir_emu.hwmodels.des.trace_export import Recorder, write_chrome_trace
-from partir_emu.hwmodels.placement import Placement
-from partir_emu.hwmodels.specs import HardwareSpec
+from partir_emu.hwmodels.machine.placement import Placement
+from partir_emu.hwmodels.machine.specs import HardwareSpec
+from partir_emu.hwmodels.network.comm import CommModel
 
 NETWORKS = ("flow", "chunk")
 
@@ -121,7 +120,7 @@ class Simulation:
                  algorithms: str | dict[str, str] | None, options: DesOptions,
                  analyzer: Analyzer | None = None, prefetch_bytes: int | None = None) -> None:
         self._t_built = time.perf_counter()
-        analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
+        analyzer = analyzer if analyzer is not None else Analyzer()
         self.spmd = spmd
         self.spec = spec
         self.placement = placement
@@ -161,7 +160,7 @@ class Simulation:
         self._fresh()
 
     def _fresh(self) -> None:
-        """The simulation state, ready to run (again, after :class:`~.routing.SymmetryBroken`)."""
+        """The simulation state, ready to run (again, after :class:`~partir_emu.hwmodels.des.network.routing.SymmetryBroken`)."""
         options, n = self.options, self.num_devices
         self.env = simpy.Environment()
         self.recorder: Recorder | None = None
@@ -246,7 +245,7 @@ class Simulation:
     def run(self) -> DesReport:
         """Simulate the step. A class of flows whose flows get different rates goes on flow by flow
         (:class:`~.network.FlowNetwork`); should that ever be impossible, the step is simulated
-        again without classes (:class:`~.routing.SymmetryBroken`, a safety net)."""
+        again without classes (:class:`~partir_emu.hwmodels.des.network.routing.SymmetryBroken`, a safety net)."""
         try:
             return self._run()
         except SymmetryBroken:
@@ -340,7 +339,7 @@ def simulate_des(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placeme
                  **kw: Any) -> DesReport:
     """Simulate one step of ``spmd`` on ``spec`` hardware; same arguments as ``analytical.simulate``
     plus :class:`DesOptions` (or its fields as keywords). ``trace_path`` writes a Perfetto trace."""
-    analyzer = analyzer if analyzer is not None else DEFAULT_ANALYZER
+    analyzer = analyzer if analyzer is not None else Analyzer()
     spec = analyzer.spec(spec)
     if options is None:
         options = DesOptions(**kw)

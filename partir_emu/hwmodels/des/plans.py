@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from partir_emu.collectives.schedule import CollectiveSchedule
-from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern, Router
-from partir_emu.hwmodels.placement import Placement
+from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern, Router
+from partir_emu.hwmodels.machine.placement import Placement
 
 
 @dataclass(frozen=True)

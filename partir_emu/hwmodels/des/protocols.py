@@ -4,7 +4,7 @@ The simulation (:mod:`.model`) wires three kinds of parts together; each part se
 only through one of these protocols, so the dependencies run one way: ``model`` imports
 ``device``, ``collective`` and the networks; none of them imports ``model``.
 
-- a :class:`Network` (:class:`~.network.FlowNetwork`, :class:`~.chunked.ChunkNetwork`) carries the
+- a :class:`Network` (:class:`~.network.FlowNetwork`, :class:`~partir_emu.hwmodels.des.network.chunked.ChunkNetwork`) carries the
   flows a collective sends and reports contention to the flows' :class:`ContentionSink`;
 - a running collective (:class:`~.collective.CollectiveRun`) is hosted by a
   :class:`CollectiveHost`: the simulation of a step, or the replay of a message trace;
@@ -13,13 +13,15 @@ only through one of these protocols, so the dependencies run one way: ``model`` 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import simpy
 
-from partir_emu.hwmodels.des.routing import FlowClasses, RoutePattern
+from partir_emu.hwmodels.des.classes import MemberClasses
+from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern
+from partir_emu.hwmodels.des.plans import StepPlan
 
 Delivered = Callable[[np.ndarray | None, float], None]
 """``on_delivered(flow ids, or None for all flows of the send, time)``."""
@@ -89,6 +91,32 @@ class CollectiveHost(Protocol):
 
     def collective_done(self, ci: int, devices: np.ndarray, t: float, complete: bool) -> None:
         """Collective ``ci`` finished on ``devices`` at ``t``; ``complete``: on every device now."""
+
+
+class SpanRun(ContentionSink, Protocol):
+    """What a lock-step span (:mod:`.lockstep`) reads and drives of the collective it belongs to
+    (:class:`.collective.CollectiveRun`): its units (members, or classes of members), each unit's
+    current step, the step plans, and the entry into and exit from steps."""
+
+    M: int                                 # units
+    cur: np.ndarray                        # per unit: the step it is in (-1: not started)
+    classes: MemberClasses | None
+
+    @property
+    def plans(self) -> Sequence[StepPlan]: ...
+    live_spans: set[Any]
+
+    def enter(self, members: np.ndarray, s: int, t: float) -> None:
+        """``members`` enter step ``s`` at ``t``."""
+
+    def leave(self, s: int, n: int) -> None:
+        """``n`` units left step ``s``."""
+
+    def index_of(self, plan: StepPlan, members: np.ndarray) -> np.ndarray | None:
+        """The flows of ``plan`` that ``members`` send (None: all)."""
+
+    def post(self, plan: StepPlan, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
+        """Post step ``s``'s flows ``idx`` with ``nbytes`` left to send."""
 
 
 class CollectiveOpener(Protocol):

@@ -6,14 +6,14 @@
 
 Without overlap a collective is ``Ready(c), Wait(c)`` at its place in the program
 (everything sequential, as ``analytical.simulate(overlap=False)``). With overlap
-the device runs the schedule the analytical model decided (:mod:`..overlap`, as a
+the device runs the schedule the analytical model decided (:mod:`partir_emu.hwmodels.timeline.overlap`, as a
 chip runs the order its compiler fixed): ``Ready(c)`` where the compute stream
 reaches ``ready_pos[c]`` (ZeRO-3 gathers: where the prefetch budget lets them go),
 ``Wait(c)`` at its first real consumer, and the collectives in the schedule's
 issue order. A collective's **gate** opens for a device when all its prerequisites
 have fired there: its ``Ready``, the collectives that produce its input, and the
 collective issued before it on its communication stream (a stream runs one collective
-at a time; :func:`..streams.stream_prereqs`, the rule the analytical schedule follows:
+at a time; :func:`partir_emu.hwmodels.timeline.issue.stream_prereqs`, the rule the analytical schedule follows:
 the schedule's streams when it was priced with ``comm_streams`` streams, else rank ``r``
 in issue order waits for rank ``r - comm_streams``).
 
@@ -24,7 +24,7 @@ loops expanded (iteration by iteration, in execution order): the order of the an
 rows (:func:`..pricing.collective_rows`). Each iteration's stream ends with the waits of its
 collectives that nothing in the body read, so iteration ``i + 1`` starts once everything of
 iteration ``i`` is done, and the collectives before a loop are waited for before it (the barrier of
-:mod:`..overlap`): the analytical model's iteration semantics. The times and decisions come from
+:mod:`partir_emu.hwmodels.timeline.overlap`): the analytical model's iteration semantics. The times and decisions come from
 the analytical model's :class:`~..pricing.Priced` run (each body priced and scheduled once).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.hwmodels.pricing import Priced
-from partir_emu.hwmodels.streams import round_robin, stream_prereqs
+from partir_emu.hwmodels.timeline.issue import round_robin, stream_prereqs
 
 COMPUTE, READY, WAIT = 0, 1, 2
 
@@ -66,7 +66,7 @@ def compile_stream(priced: Priced, overlap: bool, comm_streams: int = 1) -> OpSt
     b = _Builder(overlap, _instances(priced))
     order = b.emit(priced, 0, ())
     prereqs = [set(p) for p in b.prods]
-    # the stream rule (..streams): each instance waits for the one issued before it on its stream; the
+    # the stream rule (partir_emu.hwmodels.timeline.issue): each instance waits for the one issued before it on its stream; the
     # streams are the schedules' when they were made for comm_streams, else by issue rank modulo it
     streams = b.stream if overlap and _made_for(priced, comm_streams) else round_robin(order, comm_streams)
     for c, p in enumerate(stream_prereqs(order, streams)):

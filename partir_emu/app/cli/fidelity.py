@@ -1,0 +1,63 @@
+"""``partir-emu fidelity``: the subcommand (the cases and their run: :mod:`.fidelity`; the
+per-chip fit behind ``--fit``: :mod:`partir_emu.app.validation.calibrate`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from partir_emu.app import checks
+from partir_emu.app.atomic import atomic_path
+from partir_emu.app.cli.phases import Phases
+from partir_emu.app.common import write_report
+from partir_emu.app.validation.calibrate import calibrate
+from partir_emu.app.validation.fidelity import run_cases
+from partir_emu.app.validation.fidelity_data import load_cases, select
+from partir_emu.errors import UsageError
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fidelity", help="predicted vs published measured training runs (error per case)")
+    p.add_argument("--case", dest="cases", nargs="+", default=None, metavar="NAME",
+                   help="run these cases (any group) instead of a group")
+    p.add_argument("--group", choices=("required", "extra", "all"), default="required",
+                   help="which cases to run (default %(default)s: the five of issue 10)")
+    p.add_argument("--data", default=None, metavar="FILE.toml",
+                   help="a data file of measurements in the packaged file's format (default: the packaged one)")
+    p.add_argument("--report", default=None, metavar="FILE.json", help="write the JSON report here")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write measured vs predicted step time")
+    p.add_argument("--fit", default=None, metavar="CHIP",
+                   help="fit CHIP's sustained matmul fraction to its cases in the data file and print it with "
+                        "each case's leave-one-out error (see partir_emu.app.validation.calibrate)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(fn=cmd_fidelity)
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    checks.check_output_path(args.report, "--report")
+    checks.check_output_path(args.plot, "--plot")
+    if args.fit:
+        print(calibrate(args.fit, load_cases(args.data)).table())
+        return 0
+    cases = select(load_cases(args.data), args.cases, args.group)
+    if not cases:
+        raise UsageError(f"--group {args.group}: the data file has no such cases")
+    with Phases("fidelity", quiet=args.quiet) as phases:
+        rep = run_cases(cases, on_case=lambda c: phases.phase(f"case {c.case}"))
+    write_report(rep.to_json(), args.report)
+    if args.plot and rep.results:
+        with atomic_path(args.plot) as tmp:
+            rep.plot(tmp)
+    print(rep.table())
+    for path in (args.report, args.plot if rep.results else None):
+        if path:
+            print(f"wrote {path}")
+    if rep.failures:
+        c, why = rep.failures[0]
+        print(f"partir-emu fidelity: {len(rep.failures)} of {len(cases)} case(s) could not run; first: {why}",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+
+__all__ = ["add_subcommands", "cmd_fidelity"]

@@ -1,0 +1,135 @@
+"""Per-chip calibration from published measurements, and how well it generalises.
+
+Where no microbenchmark of a chip's matrix unit is public (TPUs: no MXU GEMM sweep in our
+references), its sustained matmul fraction (``[efficiency] matmul_peak_fraction`` of its spec)
+is *fitted*: the one value for which the chip's published training runs in the fidelity data
+file (every case of that chip, whatever its group) are predicted with a median step-time error
+of zero. It is one number per chip, never per case, and this module is how it was obtained:
+``partir-emu fidelity --fit tpu-v4`` prints it, the spec's ``_source`` string quotes it, and a
+test re-fits it from the data and compares.
+
+Because a fit to the cases it is then judged on proves little, the command also prints the
+**leave-one-out** error of every case: the error it gets when the fraction is fitted to the
+chip's *other* cases only. That is the error to expect on a run of that chip we have not seen.
+
+The predicted step time falls monotonically as the fraction grows (more matmul throughput,
+nothing else changes), so the fit is a bisection on ``median(log(predicted / measured))``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from partir_emu.app.programs import ProgramCache
+from partir_emu.app.validation.fidelity import run_case
+from partir_emu.app.validation.fidelity_data import Case, FidelityDataError
+from partir_emu.hwmodels.analytical import Analyzer
+from partir_emu.hwmodels.machine.specs import HardwareSpec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
+    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
+
+LOW, HIGH = 0.2, 1.0      # the fraction is searched in this interval
+TOLERANCE = 1e-4          # bisection stops when the interval is this narrow
+
+
+def with_matmul_fraction(spec: HardwareSpec, fraction: float) -> HardwareSpec:
+    """``spec`` with ``[efficiency] matmul_peak_fraction`` replaced (nothing else changes)."""
+    return dataclasses.replace(spec, efficiency=dataclasses.replace(spec.efficiency, matmul_peak_fraction=fraction))
+
+
+def log_errors(cases: Sequence[Case], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> list[float]:
+    """``log(predicted step / measured step)`` of each case on ``spec``."""
+    out = []
+    for case in cases:
+        r = run_case(case, programs, analyzer, spec=spec)
+        out.append(math.log(r.predicted_step_s / r.measured_step_s))
+    return out
+
+
+def fit_fraction(cases: Sequence[Case], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> float:
+    """The matmul fraction for which the median log step-time error of ``cases`` is zero (clamped to
+    [LOW, HIGH]: a chip whose runs need more than its peak says so by hitting HIGH)."""
+    def median_error(f: float) -> float:
+        return statistics.median(log_errors(cases, with_matmul_fraction(spec, f), programs, analyzer))
+
+    lo, hi = LOW, HIGH
+    if median_error(hi) >= 0:
+        return hi
+    if median_error(lo) <= 0:
+        return lo
+    while hi - lo > TOLERANCE:
+        mid = (lo + hi) / 2
+        if median_error(mid) > 0:      # predicted too slow: more throughput
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A chip's fitted fraction, each case's error with it, and its leave-one-out error."""
+
+    chip: str
+    fraction: float
+    spec_fraction: float
+    spec_source: str
+    cases: tuple[str, ...]
+    in_sample_pct: tuple[float, ...]
+    leave_one_out_pct: tuple[float | None, ...]   # None: the chip has a single case
+
+    def table(self) -> str:
+        lines = [f"{self.chip}: fitted matmul_peak_fraction {self.fraction:.3f} (spec file: {self.spec_fraction:.3f})",
+                 f"  spec source: {self.spec_source}",
+                 f"  {'case':<20}{'error, fitted to all':>22}{'leave-one-out':>16}"]
+        for name, e, loo in zip(self.cases, self.in_sample_pct, self.leave_one_out_pct):
+            lines.append(f"  {name:<20}{e:>+21.1f}%{'-' if loo is None else f'{loo:+.1f}%':>16}")
+        lines.append("  (error of the step time, predicted vs measured; leave-one-out: fitted to the chip's other "
+                     "cases only, the error to expect on an unseen run)")
+        return "\n".join(lines)
+
+
+def calibrate(chip: str, cases: Sequence[Case], *, programs: ProgramCache | None = None,
+              analyzer: Analyzer | None = None) -> Calibration:
+    """Fit ``chip``'s matmul fraction to its cases among ``cases`` and measure how it generalises."""
+    programs = programs if programs is not None else ProgramCache()
+    analyzer = analyzer if analyzer is not None else Analyzer()
+    mine = [c for c in cases if c.hardware == chip]
+    if not mine:
+        raise FidelityDataError(f"--fit {chip}: the data file has no case on {chip!r}; "
+                                f"chips with cases: {sorted({c.hardware for c in cases})}")
+    spec = analyzer.spec(chip)
+    fraction = fit_fraction(mine, spec, programs, analyzer)
+    fitted = with_matmul_fraction(spec, fraction)
+    in_sample = [100 * math.expm1(e) for e in log_errors(mine, fitted, programs, analyzer)]
+    loo: list[float | None] = []
+    for i, case in enumerate(mine):
+        others = mine[:i] + mine[i + 1:]
+        if not others:
+            loo.append(None)
+            continue
+        f_i = fit_fraction(others, spec, programs, analyzer)
+        (e,) = log_errors([case], with_matmul_fraction(spec, f_i), programs, analyzer)
+        loo.append(100 * math.expm1(e))
+    return Calibration(chip, fraction, spec.efficiency.matmul_peak_fraction,
+                       _fraction_source(spec), tuple(c.case for c in mine),
+                       tuple(in_sample), tuple(loo))
+
+
+def _fraction_source(spec: HardwareSpec) -> str:
+    """The ``matmul_peak_fraction_source`` string of the spec's file ("" if it has none)."""
+    try:
+        data = tomllib.loads(Path(spec.path).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return ""
+    return str(data.get("efficiency", {}).get("matmul_peak_fraction_source", ""))
+
+
+__all__ = ["Calibration", "calibrate", "fit_fraction", "log_errors", "with_matmul_fraction"]

@@ -1,0 +1,103 @@
+"""Lowering a loop region (:mod:`partir_emu.compiler.loop_view`) back into one ``loop`` equation, its body lowered once.
+
+The body's layout is what propagation decided for the body's own input values: each const and
+carry input keeps its tiling in every iteration, each x row the tiling of its body value (the
+stacked operand is the same tiling with an untiled iteration dim in front), and each y row the
+tiling its stacked result has under the iteration dim. So:
+
+1. before the loop, each operand is resharded to the layout its body input has (a stacked weight
+   tiled by ZeRO-3 or Megatron stays tiled; the body gathers its row when it needs it, once per
+   iteration, and frees it again);
+2. the body's equations are lowered into a list of their own, which becomes the loop's body
+   program (its constants stay with it);
+3. at the end of the body each carry output is resharded to the carry input's layout (a no-op when
+   propagation reached its fixed point without conflict) and each y row to its stacked layout; a
+   pending sum is always resolved there: a loop's values are whole;
+4. the loop's results take those layouts; readers after the loop reshard from them as from any
+   equation's result.
+
+A narrowing cast of a gathered value in the body is moved before its gather there too
+(:func:`.rematerialise_gathers.cast_before_gather`), so a bf16 body gathers bf16 rows.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from partir_emu.compiler.loop_view import Region
+from partir_emu.compiler.lowering.gathers import cast_before_gather
+from partir_emu.compiler.state import ShardingState
+from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
+from partir_emu.core.loops import loop_eqn, parts
+from partir_emu.core.mesh import Mesh
+from partir_emu.core.sharding import Sharding
+
+
+class LoopLowerer(Protocol):
+    """What :func:`lower_loop` needs of the lowering that calls it (:class:`.lower.Lowerer`): its
+    state, where it is, the per-value layouts and local values it keeps, and the ranges it lowers."""
+
+    state: ShardingState
+    mesh: Mesh
+    at: int
+    eqns: list[Eqn]
+    origin: list[int]
+    actual: dict[Var, Sharding]
+    local: dict[Var, Var]
+
+    def new_var(self, shape: Any, dtype: Any) -> Var: ...
+    def append(self, e: Eqn) -> None: ...
+    def reshard(self, v: Var, target: Sharding, why: str) -> Var: ...
+    def lower_range(self, start: int, end: int) -> None: ...
+
+
+def _to(lw: LoopLowerer, a: Atom, target: Sharding, why: str) -> Atom:
+    return a if isinstance(a, Literal) else lw.reshard(a, target, why)
+
+
+def lower_loop(lw: LoopLowerer, r: Region) -> None:
+    """Emit region ``r`` as one loop equation on ``lw`` (see the module docstring)."""
+    st, mesh = lw.state, lw.mesh
+    lp = parts(r.loop)
+    body, nc, nk = lp.body, len(lp.consts), len(lp.carry)
+    where = f"loop at {r.loop.source or '?'}"
+    lw.at = r.start
+    # 1. the body's input layouts, and the operands moved to them
+    rows = [Sharding(tuple(st.value_dims[bv])) for bv in body.inputs]
+    operands: list[Atom] = []
+    for k, (a, s) in enumerate(zip((*lp.consts, *lp.carry), rows)):
+        operands.append(_to(lw, a, s, f"operand {k} of {where}"))
+    for j, (x, s) in enumerate(zip(lp.xs, rows[nc + nk:])):
+        operands.append(_to(lw, x, Sharding(((), *s.dims)), f"stacked operand {j} of {where}"))
+    # 2. the body, lowered once into its own list
+    saved = lw.eqns, lw.origin
+    lw.eqns, lw.origin = [], []
+    body_ins = []
+    for bv, s in zip(body.inputs, rows):
+        lv = lw.new_var(s.local_shape(bv.shape, mesh), bv.dtype)
+        lw.actual[bv], lw.local[bv] = s, lv
+        body_ins.append(lv)
+    for v, _ in body.consts:
+        lw.actual[v], lw.local[v] = Sharding.replicated(v.ndim), v
+    lw.lower_range(r.body_start, r.body_end)
+    # 3. the body's outputs in the loop's layouts
+    lw.at = r.body_end
+    outs: list[Atom] = [_to(lw, o, rows[nc + k], f"carry {k} of {where}") for k, o in enumerate(body.outputs[:nk])]
+    y_rows = [Sharding(tuple(st.value_dims[y])[1:]) for y in lp.ys]
+    outs += [_to(lw, o, s, f"row of result {j} of {where}") for j, (o, s) in enumerate(zip(body.outputs[nk:], y_rows))]
+    body_eqns = lw.eqns
+    lw.eqns, lw.origin = saved
+    local_body = Program(tuple(body_ins), body.input_names, tuple(body_eqns), tuple(outs), body.output_names,
+                         body.consts)
+    local_body, _ = cast_before_gather(local_body)
+    # 4. the loop equation and its results' layouts
+    results: list[Var] = []
+    for v, s in zip((*lp.carry_out, *lp.ys), (*rows[nc:nc + nk], *(Sharding(((), *s.dims)) for s in y_rows))):
+        lv = lw.new_var(s.local_shape(v.shape, mesh), v.dtype)
+        lw.actual[v], lw.local[v] = s, lv
+        results.append(lv)
+    lw.at = r.start
+    lw.append(loop_eqn(operands[:nc], operands[nc:nc + nk], operands[nc + nk:], results[:nk], results[nk:],
+                       local_body, lp.length, lp.reverse, r.loop.source, r.loop.kernel))
+
+
+__all__ = ["LoopLowerer", "lower_loop"]

@@ -1,0 +1,387 @@
+"""How the chip's compiler would run the per-device program: equations grouped into fused kernels,
+each priced by the HBM traffic across its boundary and its FLOPs.
+
+The SPMD program is never changed: fusion is a view the cost model takes of it.
+
+Grouping (:func:`fuse`, one pass in program order, hardware independent; the spec's
+``[compiler]`` table picks one of a few variants, see :mod:`.efficiency`):
+
+- **loop fusion**: elementwise ops and layout ops (reshape, convert, transpose, slicing, concatenate,
+  pad, gather, ...) join the groups of their producers, as XLA's producer–consumer fusion does;
+- **reductions are roots**: a reduction takes its producers in, then its group is closed: its
+  result (and any value of the group read later) leaves the group through HBM;
+- **cheap producers are duplicated**: ``broadcast_in_dim``, ``iota`` and ``axis_index`` whose every
+  user fuses them are recomputed inside each consumer group (consumers read the broadcast's
+  *input*); used by an op that cannot fuse them (or a program output) they are written once;
+- **matmuls**: with ``matmul_operand_fusion`` open elementwise/layout producer groups join the dot
+  (XLA:TPU); ``matmul_epilogue = "elementwise"`` lets any elementwise consumer join the dot's group
+  (XLA:TPU output fusion), ``"bias_activation"`` only consumers that read no other full-size tensor
+  (bias add, relu, gelu: cuBLASLt epilogues); no group holds two dots;
+- **hand-fused kernels**: equations tagged with the same ``Eqn.kernel`` form one group per
+  connected region whatever their kinds (dots included): one kernel;
+- everything else (communicating collectives, sort, cumulative ops, in-place updates) is its own
+  group priced by its unfused cost rule, and breaks the groups it reads; so is a ``loop`` equation
+  (no cost of its own here: its body's groups are formed within the body, :mod:`partir_emu.hwmodels.pricing`);
+- a group whose value has been read by an equation outside it is closed (nothing joins it later):
+  this keeps every group a single step of the schedule (no group both before and after another op).
+
+A value crosses a boundary once per reader group (read) and once in all (written, by its producer's
+group, if any other group or the program's outputs read it). Slicing ops read only the region they keep.
+
+Pricing the groups: :mod:`.kernel_times`.
+
+Not modelled: multi-output (sibling) fusion of reductions over the same input, recomputation of
+elementwise producers into several consumer groups (XLA duplicates cheap ones; only broadcast/iota are
+here), fusion-size limits and register pressure, caches (L2 reuse between kernels), TPU's overlap of
+MXU and VPU work inside a fusion, and whether a particular XLA version pattern-matches a GELU.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partir_emu.core.ir import Program, Var
+from partir_emu.hwmodels.compute.costs import op_kind
+from partir_emu.hwmodels.compute.efficiency import CompilerSpec
+from partir_emu.hwmodels.machine.specs import MATMUL_16BIT_DTYPES
+from partir_emu.primitives.conv import conv_gemm_dims
+from partir_emu.primitives.costs import buffer_bytes
+
+CHEAP, LOOP, REDUCE, DOT, OPAQUE = range(5)
+_CHEAP = frozenset({"broadcast_in_dim", "iota", "axis_index"})
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                     "argmax", "argmin"})
+_LAYOUT = frozenset({"reshape", "convert_element_type", "squeeze", "expand_dims", "slice", "dynamic_slice",
+                     "copy", "copy_p", "stop_gradient", "reduce_precision", "transpose", "concatenate", "pad",
+                     "rev", "all_slice", "to_partial", "stack", "unstack", "split", "gather"})
+_SLICING = frozenset({"slice", "dynamic_slice", "gather", "all_slice"})
+
+
+def fusion_class(prim: str) -> int:
+    """CHEAP | LOOP | REDUCE | DOT | OPAQUE: what a primitive can do in a fusion."""
+    if prim in _CHEAP:
+        return CHEAP
+    if prim in _REDUCE:
+        return REDUCE
+    if prim == "dot_general":
+        return DOT
+    if prim in _LAYOUT or op_kind.get(prim) == "elementwise":
+        return LOOP
+    return OPAQUE
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """The groups of one program under one compiler variant (hardware independent arrays)."""
+
+    group_of: np.ndarray       # per equation: its group, -1 for a duplicated cheap op
+    last: np.ndarray           # per group: its last equation (where its time lands)
+    rep: np.ndarray            # per group: the equation its time is reported under (its dominant kind)
+    members: np.ndarray        # per group: number of equations
+    bytes: np.ndarray          # per group: HBM bytes across its boundary
+    vec_flops: np.ndarray      # per group: FLOPs on the vector units
+    work: np.ndarray           # per group: does it launch a kernel (moves bytes or computes)?
+    hand_kernels: int          # groups formed by an Eqn.kernel tag
+    dot_group: np.ndarray      # per dot: its group
+    dot_flops: np.ndarray
+    dot_f32: np.ndarray        # per dot: priced at the f32 matrix rate (else the 16-bit one)
+    dot_dims: np.ndarray       # per dot: (batch, M, N, K), shape (dots, 4)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.last)
+
+    def summary(self, unfused_bytes: float) -> dict[str, float]:
+        """What the report prints: kernels launched, fused groups, hand kernels, bytes saved."""
+        fused = float(self.bytes.sum())
+        return {"kernels": int(self.work.sum()), "fused_groups": int((self.members > 1).sum()),
+                "hand_kernels": self.hand_kernels, "unfused_bytes": float(unfused_bytes), "fused_bytes": fused,
+                "bytes_saved": float(unfused_bytes) - fused}
+
+
+class FusionCache:
+    """The fusion plans of one program, one per compiler variant, built when first asked for (an
+    explicit memo; :class:`~partir_emu.hwmodels.analytical.ProgramCosts` holds one so the DES and the analytical model
+    price the same groups)."""
+
+    __slots__ = ("_program", "_flops", "_bytes", "_plans")
+
+    def __init__(self, program: Program, flops: np.ndarray, byts: np.ndarray) -> None:
+        self._program = program
+        self._flops = flops
+        self._bytes = byts
+        self._plans: dict[tuple[bool, bool, str], FusionPlan] = {}
+
+    def plan(self, compiler: CompilerSpec) -> FusionPlan:
+        key = compiler.variant
+        p = self._plans.get(key)
+        if p is None:
+            p = self._plans[key] = fuse(self._program, self._flops, self._bytes, compiler)
+        return p
+
+
+# -- grouping ----------------------------------------------------------------------------------------
+class _Groups:
+    """Union-find over groups with each root's state: open (may still take members), its dot, its tag."""
+
+    __slots__ = ("parent", "open", "dot", "tag")
+
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+        self.open: list[bool] = []
+        self.dot: list[int] = []
+        self.tag: list[str] = []
+
+    def new(self, tag: str) -> int:
+        g = len(self.parent)
+        self.parent.append(g)
+        self.open.append(True)
+        self.dot.append(-1)
+        self.tag.append(tag)
+        return g
+
+    def find(self, g: int) -> int:
+        parent = self.parent
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    def union(self, g: int, r: int) -> None:
+        """Merge root ``r`` into root ``g``."""
+        self.parent[r] = g
+        if self.dot[r] >= 0:
+            self.dot[g] = self.dot[r]
+
+
+def _transparent(program: Program, cls: Sequence[int], operand_fusion: bool) -> list[bool]:
+    """Cheap ops duplicated into their consumers: every user fuses them and no output is a program output."""
+    eqns = program.eqns
+    users = program.users()
+    outs = {o.id for o in program.outputs if type(o) is Var}
+    t = [False] * len(eqns)
+    for i in range(len(eqns) - 1, -1, -1):
+        e = eqns[i]
+        if cls[i] != CHEAP or e.kernel:
+            continue
+        ok = True
+        for o in e.outputs:
+            if o.id in outs:
+                ok = False
+            for u in users.get(o, ()):
+                cu = cls[u]
+                if not (t[u] or cu == LOOP or cu == REDUCE or eqns[u].kernel or (cu == DOT and operand_fusion)):
+                    ok = False
+        t[i] = ok
+    return t
+
+
+def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], compiler: CompilerSpec
+           ) -> tuple[list[int], _Groups, list[tuple]]:
+    """Assign every non-transparent equation a group (program order). Returns (group root per equation,
+    the groups, each equation's expanded inputs as (var, read bytes or -1 for whole)."""
+    eqns = program.eqns
+    prod: dict[int, int] = {}
+    gs = _Groups()
+    gid = [-1] * len(eqns)
+    reads: list[tuple] = [()] * len(eqns)
+    memo: dict[int, list] = {}
+    epilogue, operand = compiler.matmul_epilogue, compiler.matmul_operand_fusion
+    for i, e in enumerate(eqns):
+        for o in e.outputs:
+            prod[o.id] = i
+        if transparent[i]:
+            continue
+        reads[i] = rd = _expanded_reads(e, eqns, prod, transparent, memo)
+        # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
+        tag = e.kernel if op_kind.get(e.prim) != "collective" and e.prim != "loop" else ""
+        g = gs.new(tag)
+        cand = {gs.find(gid[p]) for v, _ in rd if (p := prod.get(v.id)) is not None}
+        c = cls[i]
+        close_self = c in (REDUCE, OPAQUE, CHEAP) or (c == DOT and epilogue == "none")
+        if c == DOT:
+            gs.dot[g] = i
+        dot_taken = False
+        for r in cand:
+            if tag:
+                ok = gs.tag[r] == tag and gs.open[r]
+            elif c == OPAQUE or c == CHEAP or not gs.open[r] or gs.tag[r]:
+                ok = False
+            elif c == DOT:
+                ok = operand and gs.dot[r] < 0
+            elif gs.dot[r] >= 0:
+                ok = c == LOOP and not dot_taken and (
+                    epilogue == "elementwise"
+                    or (epilogue == "bias_activation" and _reads_only(e, r, gs, gid, prod, transparent)))
+                dot_taken = dot_taken or ok
+            else:
+                ok = True
+            if ok:
+                gs.union(g, r)
+            else:
+                gs.open[r] = False           # read from outside: closed
+        if close_self and not tag:
+            gs.open[g] = False
+        gid[i] = g
+    return [gs.find(g) if g >= 0 else -1 for g in gid], gs, reads
+
+
+def _expanded_reads(e, eqns, prod: dict[int, int], transparent: Sequence[bool], memo: dict[int, list]) -> tuple:
+    """The values an equation reads from memory: its Var operands, through duplicated cheap ops to their
+    inputs (``memo``: each cheap op's expansion, computed once). Each as (var, bytes read or -1 for the
+    whole buffer; slicing ops read what they keep of their first operand)."""
+    partial = -1
+    if e.prim in _SLICING:
+        o = e.outputs[0]
+        partial = buffer_bytes(o.shape, o.dtype)
+    out: list = []
+    for k, a in enumerate(e.inputs):
+        if type(a) is not Var:
+            continue
+        p = prod.get(a.id)
+        if p is not None and transparent[p]:
+            x = memo.get(p)
+            if x is None:
+                x = memo[p] = list(_expanded_reads(eqns[p], eqns, prod, transparent, memo))
+            out.extend(x)
+        else:
+            out.append((a, partial if k == 0 else -1))
+    return tuple(out)
+
+
+def _reads_only(e, r: int, gs: _Groups, gid: list[int], prod: dict[int, int], transparent: Sequence[bool]) -> bool:
+    """Does ``e`` read nothing full-size but group ``r``'s values? Literals, duplicated broadcasts and
+    bias-sized values (no larger than one row of the output: scalars, a bias vector) aside."""
+    out = e.outputs[0].shape
+    row = out[-1] if out else 1
+    for a in e.inputs:
+        if type(a) is not Var or len(a.shape) == 0 or math.prod(a.shape) <= row:
+            continue
+        p = prod.get(a.id)
+        if p is None or not (transparent[p] or gs.find(gid[p]) == r):
+            return False
+    return True
+
+
+def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: CompilerSpec) -> FusionPlan:
+    """Group ``program``'s equations as ``compiler`` would and measure each group (``flops``, ``byts``: the
+    unfused per-equation costs; an equation that cannot fuse keeps its own). Without loop fusion every
+    equation is its own group at its own cost (the unfused roofline)."""
+    eqns = program.eqns
+    n = len(eqns)
+    if not compiler.loop_fusion:
+        cls = [OPAQUE] * n
+        transparent = [False] * n
+        gid = list(range(n))
+        reads: list[tuple] = [()] * n
+        tags = [""] * n
+    else:
+        cls = [fusion_class(e.prim) for e in eqns]
+        transparent = _transparent(program, cls, compiler.matmul_operand_fusion)
+        gid, gs, reads = _group(program, cls, transparent, compiler)
+        tags = [gs.tag[g] if g >= 0 else "" for g in gid]
+    return _measure(program, flops, byts, cls, gid, reads, tags)
+
+
+def _measure(program: Program, flops: np.ndarray, byts: np.ndarray, cls: Sequence[int], gid: Sequence[int],
+             reads: Sequence[tuple], tags: Sequence[str]) -> FusionPlan:
+    """Dense group numbers, boundary bytes, FLOPs and the dots of a grouping."""
+    eqns = program.eqns
+    n = len(eqns)
+    dense: dict[int, int] = {}
+    group_of = np.array([dense.setdefault(g, len(dense)) if g >= 0 else -1 for g in gid], dtype=np.int64)
+    G = len(dense)
+    gl = group_of.tolist()
+    prod_group: dict[int, int] = {}
+    for i, e in enumerate(eqns):
+        for o in e.outputs:
+            prod_group[o.id] = gl[i]
+    opaque = [False] * G
+    for i in range(n):
+        if gl[i] >= 0 and cls[i] == OPAQUE:
+            opaque[gl[i]] = True                 # its own cost rule (in-place updates, sort, collectives)
+    ext: dict[tuple[int, int], float] = {}       # (group, var id) -> bytes read from outside
+    written: dict[int, tuple[int, float]] = {}   # var id -> (producer group, bytes)
+    for i in range(n):
+        g = gl[i]
+        if g < 0:
+            continue
+        for v, amount in reads[i] or _plain_reads(eqns[i]):
+            pg = prod_group.get(v.id, -1)
+            if pg == g:
+                continue
+            full = buffer_bytes(v.shape, v.dtype)
+            if pg >= 0:
+                written[v.id] = (pg, full)
+            key = (g, v.id)
+            prev = ext.get(key, 0.0)
+            ext[key] = full if amount < 0 or prev >= full else min(full, prev + amount)
+    for out in program.outputs:                  # a Var or a Literal (never written by a group)
+        if type(out) is Var and prod_group.get(out.id, -1) >= 0:
+            written[out.id] = (prod_group[out.id], buffer_bytes(out.shape, out.dtype))
+    gbytes = np.zeros(G)
+    for (g, _), b in ext.items():
+        if not opaque[g]:
+            gbytes[g] += b
+    for pg, b in written.values():
+        if not opaque[pg]:
+            gbytes[pg] += b
+    ga = group_of[group_of >= 0]
+    fl = flops[group_of >= 0]
+    for i in range(n):
+        if gl[i] >= 0 and opaque[gl[i]]:
+            gbytes[gl[i]] += byts[i]
+    return _plan(program, group_of, ga, fl, gbytes, cls, tags)
+
+
+def _plain_reads(e) -> tuple:
+    return tuple((a, -1) for a in e.inputs if type(a) is Var)
+
+
+def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray, gbytes: np.ndarray,
+          cls: Sequence[int], tags: Sequence[str]) -> FusionPlan:
+    eqns = program.eqns
+    G = len(gbytes)
+    idx = np.flatnonzero(group_of >= 0)
+    last = np.zeros(G, dtype=np.int64)
+    last[ga] = idx                                 # ascending idx: the last write wins
+    members = np.bincount(ga, minlength=G)
+    kinds = [op_kind.get(eqns[i].prim, "") for i in idx.tolist()]
+    is_dot = np.array([k == "matmul" for k in kinds], dtype=bool)
+    vec_flops = np.bincount(ga[~is_dot], weights=fl[~is_dot], minlength=G)
+    # the equation a group's time is reported under: its dot, else its last reduction, else its last
+    # elementwise op, else its last equation (by_op_kind attributes a group to its dominant kind)
+    prio = {"matmul": 3, "reduction": 2, "elementwise": 1}
+    best = [-1] * G
+    rep = last.copy()
+    for i, g, k in zip(idx.tolist(), ga.tolist(), kinds):
+        p = prio.get(k, 0)
+        if p and p >= best[g] and not (p == 3 and best[g] == 3):
+            best[g] = p
+            rep[g] = i
+    dots = idx[is_dot].tolist()
+    dims = np.array([_dot_dims(eqns[i]) for i in dots], dtype=np.float64).reshape(-1, 4)
+    f32 = np.array([eqns[i].inputs[0].dtype not in MATMUL_16BIT_DTYPES for i in dots], dtype=bool)
+    dot_flops = fl[is_dot]
+    work = (gbytes > 0) | (np.bincount(ga, weights=fl, minlength=G) > 0)
+    hand = len({g for g, i in zip(ga.tolist(), idx.tolist()) if tags[i]})
+    return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
+                      ga[is_dot], dot_flops, f32, dims)
+
+
+def _dot_dims(e) -> tuple[int, int, int, int]:
+    if e.prim == "conv_general_dilated":   # the other matmul-kind primitive: its implicit GEMM
+        return conv_gemm_dims(e)
+    lhs, rhs = e.inputs[0], e.inputs[1]
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    prod = np.prod
+    b = int(prod([lhs.shape[i] for i in lb]))
+    k = int(prod([lhs.shape[i] for i in lc]))
+    m = int(prod([s for i, s in enumerate(lhs.shape) if i not in lc and i not in lb]))
+    nn = int(prod([s for i, s in enumerate(rhs.shape) if i not in rc and i not in rb]))
+    return b, m, nn, k
+
+

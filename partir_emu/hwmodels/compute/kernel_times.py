@@ -1,0 +1,43 @@
+"""The time of each fused kernel (:mod:`.fusion`'s groups) on one chip.
+
+Pricing (:func:`group_times`, vectorised per spec): ``max(matmul time + vector time, bytes / achieved
+HBM bw) + launch overhead``; matmul time at the dot dtype's peak times :func:`.efficiency.matmul_efficiency`,
+vector time at ``vector_flops_per_s · vector_fraction``, HBM bandwidth times
+:func:`.efficiency.hbm_fraction` of the group's bytes. Matmul and vector work are summed (conservative: an
+epilogue is small next to its dot). The group's time lands on its **last** equation (zero on the others):
+the overlap schedule and the DES see one op at the group's end.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from partir_emu.hwmodels.compute.efficiency import hbm_fraction, matmul_efficiency
+from partir_emu.hwmodels.compute.fusion import FusionPlan
+from partir_emu.hwmodels.machine.specs import HardwareSpec
+
+
+def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
+    """Seconds of every group on one chip of ``spec`` (vectorised)."""
+    eff = spec.efficiency
+    G = plan.num_groups
+    mm: np.ndarray                 # float64 per group (numpy's stubs type a weighted bincount as ints)
+    if len(plan.dot_flops):
+        d = plan.dot_dims
+        e = matmul_efficiency(eff, d[:, 0], d[:, 1], d[:, 2], d[:, 3])
+        rate = np.where(plan.dot_f32, spec.flops_f32_per_s, spec.flops_bf16_per_s)
+        mm = np.bincount(plan.dot_group, weights=plan.dot_flops / (rate * e), minlength=G)
+    else:
+        mm = np.zeros(G)
+    vec = plan.vec_flops / (spec.vector_flops_per_s * eff.vector_fraction)
+    mem = plan.bytes / (spec.hbm_bw_bytes_per_s * hbm_fraction(eff, plan.bytes))
+    t = np.maximum(mm + vec, mem)
+    launch = spec.compiler.kernel_launch_s
+    if launch:
+        t = t + launch * plan.work
+    return t
+
+def eqn_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
+    """Per equation: its group's time on the group's last equation, zero on the others (a fresh array)."""
+    times = np.zeros(len(plan.group_of))
+    times[plan.last] = group_times(plan, spec)
+    return times

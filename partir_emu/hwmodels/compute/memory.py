@@ -1,0 +1,183 @@
+"""Peak memory per device from buffer liveness over a (local-shape) program.
+
+Which buffers are live when is :func:`partir_emu.core.analysis.liveness`, the
+convention the runtime releases buffers by, so the in-process runtime measures
+these numbers on real arrays. Here every :class:`~partir_emu.core.ir.Var` takes
+``nbytes_of(var)`` bytes (local shape × itemsize). Program points are ``start``
+(index ``-1``) and one point per equation ``i``, sampled while equation ``i``
+runs (its inputs and outputs live together); ``peak_bytes`` is the largest
+sample.
+
+The breakdown at the peak point splits the live bytes into ``params`` (inputs
+named ``params/...``), ``optimizer`` (``opt/...``, ``opt_state/...``),
+``inputs`` (other inputs and constants), ``collective_buffers`` (results of
+communicating collectives), ``temporaries`` (results of the peak equation and
+values it consumes for the last time) and ``activations`` (everything else);
+they sum to ``peak_bytes``.
+
+With overlap (:mod:`partir_emu.hwmodels.timeline.overlap`) the chip's schedule moves the prefetched ZeRO-3 all-gathers ahead:
+:func:`prefetch_peak` adds each prefetched gather's output from the equation that was running when
+the gather started to its place in the program (from there program order counts it already), and
+its breakdown adds ``prefetch_buffers``. Every other buffer keeps its program-order lifetime.
+
+**Loops** (rule 5 of :mod:`partir_emu.core.analysis`): a ``loop`` equation's point is sampled as any
+equation's (its operands and all its results live), plus the peak of its body's own profile (the body's
+inputs live at its start point as their own buffers; one iteration's values are gone before the next
+starts, so every iteration has the same peak). ``MemoryProfile.bodies`` keeps the body profiles added;
+at a loop point the breakdown is the enclosing program's plus the body's. With overlap the body's
+profile is the one of its own schedule (its prefetch buffers included): :func:`peak_memory` takes the
+body profiles to add.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+from partir_emu.core.analysis import liveness
+from partir_emu.core.ir import Program, Var
+from partir_emu.core.loops import LOOP
+from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
+from partir_emu.hwmodels.compute.costs import nbytes_of
+
+PARAM_PREFIXES: tuple[str, ...] = ("params",)
+OPT_PREFIXES: tuple[str, ...] = ("opt", "opt_state", "optimizer")
+CATEGORIES = ("params", "optimizer", "inputs", "activations", "temporaries", "collective_buffers")
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    peak_bytes: int
+    peak_at: int                      # equation index of the peak point; -1 = start
+    breakdown: dict[str, int]         # at the peak point, by CATEGORIES
+    live_bytes: tuple[int, ...] = field(repr=False)   # at start, then at each equation (program order;
+                                                      # empty for a schedule's profile, prefetch_peak)
+    input_bytes: int = 0              # inputs + constants
+    bodies: Mapping[int, MemoryProfile] = field(default_factory=dict, repr=False)
+    # per loop equation that runs its body (length > 0): the body profile added at its point
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at, "breakdown": dict(self.breakdown),
+                "input_bytes": self.input_bytes}
+
+
+def _category(name: str) -> str:
+    head = name.split("/", 1)[0]
+    if head in PARAM_PREFIXES:
+        return "params"
+    if head in OPT_PREFIXES:
+        return "optimizer"
+    return "inputs"
+
+
+def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfile] | None = None
+                ) -> MemoryProfile:
+    """Liveness-based peak bytes per device (see the module docstring for the exact convention).
+    ``bodies``: per loop equation, the body profile to add at its point (default: each body's
+    :func:`peak_memory`, computed here; a loop of length 0 adds nothing)."""
+    prog = program.program if isinstance(program, SpmdProgram) else program
+    if bodies is None:
+        bodies = loop_bodies(prog)
+    lv = liveness(prog)
+    size = _sizes(prog, lv.initial)
+    live = input_bytes = sum(size[v.id] for v in lv.initial)
+    points = [live]
+    live -= sum(size[v.id] for v in lv.at_start)
+    peak, peak_at = input_bytes, -1
+    for i, (e, gone) in enumerate(zip(prog.eqns, lv.after)):
+        for o in e.outputs:
+            live += size[o.id]
+        body = bodies.get(i) if bodies else None
+        sample = live + body.peak_bytes if body is not None else live
+        points.append(sample)
+        if sample > peak:
+            peak, peak_at = sample, i
+        for v in gone:
+            live -= size[v.id]
+    bd = _breakdown(prog, peak_at, lv.last_use, size)
+    return MemoryProfile(peak, peak_at, _with_body(bd, bodies.get(peak_at)), tuple(points), input_bytes,
+                         MappingProxyType(dict(bodies)))
+
+
+def loop_bodies(prog: Program) -> dict[int, MemoryProfile]:
+    """The program-order profile of each loop body of ``prog`` that runs (by loop equation index)."""
+    return {i: peak_memory(e.params["body"]) for i, e in enumerate(prog.eqns)
+            if e.prim == LOOP and int(e.params["length"]) > 0}
+
+
+def _with_body(bd: dict[str, int], body: MemoryProfile | None) -> dict[str, int]:
+    """A loop point's breakdown: the enclosing program's plus its body's at the body's peak."""
+    if body is None:
+        return bd
+    out = dict(bd)
+    for k, v in body.breakdown.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def _sizes(prog: Program, initial: tuple[Var, ...]) -> dict[int, int]:
+    size = {v.id: nbytes_of(v) for v in initial}
+    for e in prog.eqns:
+        for o in e.outputs:
+            size[o.id] = nbytes_of(o)
+    return size
+
+
+def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] | None = None) -> dict[str, int]:
+    """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start); at a
+    loop point plus ``bodies[at]``'s (the body profile added there)."""
+    lv = liveness(program)
+    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial))
+    return _with_body(bd, bodies.get(at) if bodies else None)
+
+
+def prefetch_peak(live: np.ndarray, first: np.ndarray, last: np.ndarray, nbytes: np.ndarray
+                  ) -> tuple[int, int, int]:
+    """Peak of ``live`` (bytes at the start point, then at each equation: ``MemoryProfile.live_bytes``)
+    when buffer ``k`` of ``nbytes[k]`` bytes is also live at equations ``first[k] .. last[k] - 1``.
+    Returns ``(peak bytes, peak equation (-1: start), the added bytes there)``."""
+    n = len(live)
+    keep = first < last
+    if keep.any():
+        w = nbytes[keep]
+        extra = np.cumsum(np.bincount(first[keep] + 1, w, n) - np.bincount(last[keep] + 1, w, n))[:n]
+        total = live + extra
+    else:
+        extra, total = np.zeros(n), live
+    k = int(np.argmax(total))
+    return int(total[k]), k - 1, int(extra[k])
+
+
+def _breakdown(prog: Program, at: int, last: Mapping[int, int], size: dict[int, int]) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    counted: set[int] = set()
+
+    def alive(vid: int, defined: int) -> bool:
+        # defined at point `defined` (-1 for inputs); live at point `at`?
+        if defined == at:
+            return True
+        return defined < at and last.get(vid, defined) >= at
+
+    for v, name in list(zip(prog.inputs, prog.input_names)) + [(v, "const") for v, _ in prog.consts]:
+        if v.id not in counted and alive(v.id, -1):
+            counted.add(v.id)
+            out[_category(name) if name != "const" else "inputs"] += size[v.id]
+    if at >= 0:
+        peak_eqn = prog.eqns[at]
+        consumed = {a.id for a in peak_eqn.inputs if type(a) is Var and last[a.id] == at}
+        for i, e in enumerate(prog.eqns[:at + 1]):
+            comm = e.prim in COMM_PRIMS
+            for o in e.outputs:
+                if o.id in counted or not alive(o.id, i):
+                    continue
+                counted.add(o.id)
+                if comm:
+                    out["collective_buffers"] += size[o.id]
+                elif i == at or o.id in consumed:
+                    out["temporaries"] += size[o.id]
+                else:
+                    out["activations"] += size[o.id]
+    return out
+

@@ -1,0 +1,349 @@
+"""Hardware specs as data: TOML files with units in field names and a source per number.
+
+A spec file has a top-level ``name``, ``kind`` (``"tpu"`` or ``"gpu"``) and
+``description``, then tables:
+
+``[chip]``       ``flops_bf16_per_s``, ``flops_f32_per_s``, ``hbm_bytes``, ``hbm_bw_bytes_per_s``
+                 (optional ``vector_flops_per_s``: rate of non-matmul ops; default ``flops_f32_per_s``)
+``[ici]``        TPU only: ``link_bw_bytes_per_s`` (one way, per link), ``link_latency_s`` (per hop),
+                 ``links_per_chip``
+``[nvlink]``     GPU only: ``nvlink_bw_bytes_per_s`` (one way, per GPU), ``nvlink_latency_s`` (per hop)
+``[network]``    GPU only: ``gpus_per_node``, ``nics_per_node``, ``nic_bw_bytes_per_s`` (one way, per NIC),
+                 ``ib_latency_s`` (per hop)
+``[topology]``   TPU: ``kind = "torus"``, ``pod_dims``, ``wraparound`` (``full`` | ``cube_multiple`` |
+                 ``always`` | ``never``), ``cube`` (needed by ``cube_multiple``).
+                 GPU: ``kind = "nvswitch"``, ``fabric`` (``fat_tree`` | ``rail_optimized``),
+                 ``nodes_per_leaf`` (fat tree), ``nodes_per_su`` (rail-optimized scalable unit),
+                 ``max_nodes``.
+``[compiler]``, ``[efficiency]`` (optional): how the chip's compiler fuses and what fraction of
+                 each peak it reaches; see :mod:`partir_emu.hwmodels.compute.efficiency` (without them:
+                 no fusion, 100 % of every peak).
+
+Beside every number ``X`` a string ``X_source`` says where it comes from.
+
+Search order for ``load_spec(name)``: an explicit path (anything ending in
+``.toml`` or containing a path separator), then each directory of
+``$PARTIR_EMU_HW_PATH`` (``os.pathsep``-separated), then the package's
+``data/`` directory. A user adds hardware by dropping a file there, no code.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partir_emu.errors import SpecError
+from partir_emu.hwmodels.compute.efficiency import CompilerSpec, EfficiencySpec, parse_compiler, parse_efficiency
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
+    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
+
+DATA_DIR = Path(__file__).parents[1] / "data"
+ENV_VAR = "PARTIR_EMU_HW_PATH"
+
+# schema: table -> field -> (type, required). Types: float (> 0), int (> 0), str, ints (list of int > 0),
+# or a tuple of allowed strings.
+_CHIP = {"flops_bf16_per_s": ("float", True), "flops_f32_per_s": ("float", True), "hbm_bytes": ("int", True),
+         "hbm_bw_bytes_per_s": ("float", True), "vector_flops_per_s": ("float", False)}
+_SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
+    "tpu": {
+        "chip": _CHIP,
+        "ici": {"link_bw_bytes_per_s": ("float", True), "link_latency_s": ("float", True),
+                "links_per_chip": ("int", True)},
+        "topology": {"kind": (("torus",), True), "pod_dims": ("ints", True),
+                     "wraparound": (("full", "cube_multiple", "always", "never"), True),
+                     "cube": ("ints", False)},
+    },
+    "gpu": {
+        "chip": _CHIP,
+        "nvlink": {"nvlink_bw_bytes_per_s": ("float", True), "nvlink_latency_s": ("float", True)},
+        "network": {"gpus_per_node": ("int", True), "nics_per_node": ("int", True),
+                    "nic_bw_bytes_per_s": ("float", True), "ib_latency_s": ("float", True)},
+        "topology": {"kind": (("nvswitch",), True), "fabric": (("fat_tree", "rail_optimized"), True),
+                     "nodes_per_leaf": ("int", True), "nodes_per_su": ("int", True), "max_nodes": ("int", True)},
+    },
+}
+_OPTIONAL_TABLES = ("compiler", "efficiency")     # validated by hwmodels.efficiency
+_TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False)}
+
+
+@dataclass(frozen=True)
+class TorusSpec:
+    """TPU inter-chip interconnect: a 2D/3D torus (slices of it)."""
+
+    link_bw_bytes_per_s: float
+    link_latency_s: float
+    links_per_chip: int
+    pod_dims: tuple[int, ...]
+    wraparound: str
+    cube: tuple[int, ...] | None = None
+
+    @property
+    def max_chips(self) -> int:
+        return math.prod(self.pod_dims)
+
+
+@dataclass(frozen=True)
+class GpuClusterSpec:
+    """GPU nodes: NVSwitch inside a node, InfiniBand fat-tree (optionally rail-optimized) across."""
+
+    nvlink_bw_bytes_per_s: float
+    nvlink_latency_s: float
+    gpus_per_node: int
+    nics_per_node: int
+    nic_bw_bytes_per_s: float
+    ib_latency_s: float
+    fabric: str
+    nodes_per_leaf: int
+    nodes_per_su: int
+    max_nodes: int
+
+    @property
+    def max_chips(self) -> int:
+        return self.max_nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One chip type and the network that joins its chips. Immutable; build with :func:`load_spec`."""
+
+    name: str
+    kind: str                               # "tpu" | "gpu"
+    flops_bf16_per_s: float
+    flops_f32_per_s: float
+    hbm_bytes: int
+    hbm_bw_bytes_per_s: float
+    vector_flops_per_s: float
+    network: TorusSpec | GpuClusterSpec
+    description: str = ""
+    path: str = ""
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    compiler: CompilerSpec = CompilerSpec()
+    efficiency: EfficiencySpec = EfficiencySpec()
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak matrix rate for operands of ``dtype`` (16-bit floats and ints: bf16 rate; others: f32)."""
+        return self.flops_bf16_per_s if dtype in MATMUL_16BIT_DTYPES else self.flops_f32_per_s
+
+    def to_json(self) -> dict:
+        net = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.network).items()}
+        return {"name": self.name, "kind": self.kind, "flops_bf16_per_s": self.flops_bf16_per_s,
+                "flops_f32_per_s": self.flops_f32_per_s, "vector_flops_per_s": self.vector_flops_per_s,
+                "hbm_bytes": self.hbm_bytes, "hbm_bw_bytes_per_s": self.hbm_bw_bytes_per_s, "network": net,
+                "compiler": dict(vars(self.compiler)),
+                "efficiency": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.efficiency).items()},
+                "path": self.path}
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.flops_bf16_per_s / 1e12:g} TFLOP/s bf16, {self.hbm_bytes / 2**30:g} GiB HBM "
+                f"at {self.hbm_bw_bytes_per_s / 1e9:g} GB/s")
+
+
+MATMUL_16BIT_DTYPES = frozenset({"bfloat16", "float16", "int8", "uint8", "int16", "uint16"})
+
+
+# -- finding files ---------------------------------------------------------------------------------
+def search_path() -> list[Path]:
+    dirs = [Path(p) for p in os.environ.get(ENV_VAR, "").split(os.pathsep) if p]
+    return dirs + [DATA_DIR]
+
+
+def list_specs() -> list[str]:
+    """Names of every spec file on the search path (``$PARTIR_EMU_HW_PATH`` then the package's)."""
+    names: set[str] = set()
+    for d in search_path():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+def find_spec(name_or_path: str | os.PathLike) -> Path:
+    s = str(name_or_path)
+    if s.endswith(".toml") or os.sep in s or (os.altsep and os.altsep in s):
+        p = Path(s)
+        if not _is_file(p):
+            raise SpecError(f"hardware spec file {s} does not exist")
+        return p
+    for d in search_path():
+        p = d / f"{s}.toml"
+        if _is_file(p):
+            return p
+    raise SpecError(f"no hardware spec named {s!r}; known specs: {', '.join(list_specs())}. "
+                    f"Add {s}.toml to a directory listed in ${ENV_VAR} or pass a path to a .toml file")
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except (OSError, ValueError):       # a name too long for the file system, a NUL in it
+        return False
+
+
+# -- loading and validating -------------------------------------------------------------------------
+def load_spec(name_or_path: str | os.PathLike | HardwareSpec,
+              overrides: Mapping[str, Any] | None = None) -> HardwareSpec:
+    """Load and validate a spec by name (``"tpu-v4"``) or path (reads the file; a :class:`SpecLoader`
+    reads each file once).
+
+    ``overrides`` maps ``"table.field"`` (or a top-level ``"field"``) to a value applied before validation,
+    e.g. ``{"topology.fabric": "rail_optimized"}``.
+    """
+    return SpecLoader().load(name_or_path, overrides)
+
+
+class SpecLoader:
+    """Loads specs and keeps each file it parsed, by (resolved path, modification time): a memo with
+    hashable keys, so an edited file is read again. A load with ``overrides`` is never kept."""
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple[str, int], HardwareSpec] = {}
+
+    def clear(self) -> None:
+        self._specs.clear()
+
+    def load(self, name_or_path: str | os.PathLike | HardwareSpec,
+             overrides: Mapping[str, Any] | None = None) -> HardwareSpec:
+        """As :func:`load_spec`; a spec object without overrides is returned as it is."""
+        if isinstance(name_or_path, HardwareSpec) and not overrides:
+            return name_or_path
+        if isinstance(name_or_path, HardwareSpec):
+            name_or_path = name_or_path.path
+        path = find_spec(name_or_path)
+        key = None
+        if not overrides:
+            try:
+                key = (str(path.resolve()), path.stat().st_mtime_ns)
+            except OSError:
+                key = None
+            hit = self._specs.get(key) if key is not None else None
+            if hit is not None:
+                return hit
+        spec = spec_from_dict(_read(path, overrides), str(path))
+        if key is not None:
+            self._specs[key] = spec
+        return spec
+
+
+def _read(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The parsed TOML of ``path`` with ``overrides`` applied."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML ({exc})") from None
+    except UnicodeDecodeError as exc:       # TOML is UTF-8: a binary or Latin-1 file fails here
+        raise SpecError(f"{path}: not a TOML file (byte {exc.start} is not UTF-8 text)") from None
+    except OSError as exc:
+        raise SpecError(f"cannot read hardware spec {path}: {exc.strerror}") from None
+    for key, value in (overrides or {}).items():
+        table, _, fld = key.rpartition(".")
+        target = data.setdefault(table, {}) if table else data
+        if not isinstance(target, dict):
+            raise SpecError(f"{path}: override {key!r} names table [{table}], which is not a table")
+        target[fld] = value
+    return data
+
+
+def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSpec:
+    """Validate a parsed spec (every error names ``where`` and the field) and build the HardwareSpec."""
+    top = _check_table(data, _TOP, where, "", allow_tables=True)
+    kind = top["kind"]
+    schema = _SCHEMA[kind]
+    extra = [k for k, v in data.items() if isinstance(v, dict) and k not in schema and k not in _OPTIONAL_TABLES]
+    if extra:
+        raise SpecError(f"{where}: unknown table [{extra[0]}] for a {kind} spec; "
+                        f"expected tables {', '.join('[' + t + ']' for t in (*schema, *_OPTIONAL_TABLES))}")
+    vals: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    for table, fields in schema.items():
+        sub = data.get(table)
+        if sub is None:
+            raise SpecError(f"{where}: table [{table}] is missing; a {kind} spec needs "
+                            f"[{table}] with {', '.join(f for f, (_, req) in fields.items() if req)}")
+        if not isinstance(sub, dict):
+            raise SpecError(f"{where}: field {table!r} must be a table [{table}], got {type(sub).__name__}")
+        vals[table] = _check_table(sub, fields, where, table + ".")
+        sources.update({k[:-len("_source")]: v for k, v in sub.items() if k.endswith("_source")})
+    chip = vals["chip"]
+    topo = vals["topology"]
+    if kind == "tpu":
+        if topo["wraparound"] == "cube_multiple":
+            if "cube" not in topo:
+                raise SpecError(f"{where}: field topology.cube is missing; wraparound = \"cube_multiple\" needs "
+                                f"the cube shape, e.g. cube = [4, 4, 4]")
+            if len(topo["cube"]) != len(topo["pod_dims"]):
+                raise SpecError(f"{where}: field topology.cube {topo['cube']} has {len(topo['cube'])} dims but "
+                                f"topology.pod_dims {topo['pod_dims']} has {len(topo['pod_dims'])}")
+        if not 1 <= len(topo["pod_dims"]) <= 3:
+            raise SpecError(f"{where}: field topology.pod_dims must list 1 to 3 torus dims, got {topo['pod_dims']}")
+        ici = vals["ici"]
+        net: TorusSpec | GpuClusterSpec = TorusSpec(
+            ici["link_bw_bytes_per_s"], ici["link_latency_s"], ici["links_per_chip"], topo["pod_dims"],
+            topo["wraparound"], topo.get("cube"))
+    else:
+        nv, nw = vals["nvlink"], vals["network"]
+        if nw["nics_per_node"] != nw["gpus_per_node"]:
+            raise SpecError(f"{where}: field network.nics_per_node ({nw['nics_per_node']}) must equal "
+                            f"network.gpus_per_node ({nw['gpus_per_node']}): the model attaches one NIC per GPU")
+        net = GpuClusterSpec(nv["nvlink_bw_bytes_per_s"], nv["nvlink_latency_s"], nw["gpus_per_node"],
+                             nw["nics_per_node"], nw["nic_bw_bytes_per_s"], nw["ib_latency_s"], topo["fabric"],
+                             topo["nodes_per_leaf"], topo["nodes_per_su"], topo["max_nodes"])
+    return HardwareSpec(top["name"], kind, chip["flops_bf16_per_s"], chip["flops_f32_per_s"], chip["hbm_bytes"],
+                        chip["hbm_bw_bytes_per_s"], chip.get("vector_flops_per_s", chip["flops_f32_per_s"]), net,
+                        top.get("description", ""), where, sources,
+                        compiler=parse_compiler(data.get("compiler"), where),
+                        efficiency=parse_efficiency(data.get("efficiency"), where))
+
+
+def _check_table(sub: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]], where: str, prefix: str,
+                 allow_tables: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in sub.items():
+        if key.endswith("_source"):
+            if not isinstance(value, str):
+                raise SpecError(f"{where}: field {prefix}{key} must be a string naming a public source")
+            continue
+        if allow_tables and isinstance(value, dict):
+            continue
+        if key not in fields:
+            raise SpecError(f"{where}: unknown field {prefix}{key}; "
+                            f"known fields here: {', '.join(prefix + f for f in fields)}")
+        out[key] = _check_value(value, fields[key][0], where, prefix + key)
+    for key, (_, required) in fields.items():
+        if required and key not in out:
+            raise SpecError(f"{where}: field {prefix}{key} is missing; add it"
+                            + (f" under [{prefix[:-1]}]" if prefix else " at the top level"))
+    return out
+
+
+def _check_value(value: Any, typ: Any, where: str, name: str) -> Any:
+    def bad(expected: str) -> SpecError:
+        return SpecError(f"{where}: field {name} must be {expected}, got {type(value).__name__} {value!r}")
+
+    if isinstance(typ, tuple):
+        if value not in typ:
+            raise bad("one of " + ", ".join(repr(t) for t in typ))
+        return value
+    if typ == "str":
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if typ == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise bad("a positive number")
+        return float(value)
+    if typ == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise bad("a positive integer")
+        return value
+    if typ == "ints":
+        if (not isinstance(value, list) or not value
+                or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value)):
+            raise bad("a non-empty list of positive integers")
+        return tuple(value)
+    raise AssertionError(typ)

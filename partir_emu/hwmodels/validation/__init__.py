@@ -1,0 +1,1 @@
+"""The analytical model checked against the DES on given programs (:mod:`.des`)."""

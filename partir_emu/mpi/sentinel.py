@@ -1,0 +1,88 @@
+"""The watcher of one host's ranks under a user's ``mpiexec``: one line about a dead rank, no leaks.
+
+Under ``mpiexec -n R partir-emu run … --backend mpi`` no launcher of ours is around: when a
+rank is killed (SIGKILL, OOM), hydra SIGKILLs the others at once, so no rank can say which
+one died, and nobody removes MPICH's ``/dev/shm/mpich_shm_*`` segment. So the first rank on
+each host starts this process (:func:`partir_emu.mpi.rank.worker.guard_under_mpirun`) in a
+session of its own, where mpiexec's clean-up does not reach it::
+
+    python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak]
+
+``DIR`` holds the progress records of the host's ``N`` ranks, each ``flock``-ed by its rank
+while it lives (:class:`~partir_emu.mpi.supervise.DeathWatch` learns each exit). Once all
+``N`` have exited it removes the segments the ranks reported and ``DIR``, and with
+``--speak`` (the host of rank 0) prints at most one line to the stderr it shares with the
+ranks (mpiexec forwards it, and waits for it to close before it exits):
+
+- a rank that died without a word: ``partir-emu rank R device D op K (…): died without a
+  message; it was the first rank to exit, …`` (a rank that failed knowingly printed its own:
+  mpiexec exits at once after ``MPI_Abort``, it would not forward a line from here);
+- ranks stopped by a signal mpiexec forwarded (Ctrl-C, SIGTERM): ``partir-emu: stopped by
+  SIGINT: …``;
+
+- nothing after a clean run.
+
+Only the standard library and partir_emu's runtime records: no mpi4py, no jax.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from partir_emu.mpi.failure_report import silent_death_lines
+from partir_emu.mpi.supervise import DeathWatch, remove_segments
+from partir_emu.runtime.progress import read_records
+
+
+def verdict(silent: list[tuple[float, dict]], records: list[dict], removed: int) -> str | None:
+    """The one line to print once every rank of the host has exited (None: nothing to say)."""
+    segs = f"removed {removed} /dev/shm segment{'s' if removed != 1 else ''}"
+    first_failure = min((r.get("t", math.inf) for r in records if r.get("phase") == "failed"), default=math.inf)
+    silent = [(t, r) for t, r in silent if t < first_failure]    # mpiexec stopped them after a failure
+    if silent:
+        return "\n".join(silent_death_lines(silent)) + f"; {segs}"
+    stopped = sorted({str(r["stopped_by"]) for r in records if r.get("stopped_by")})
+    if stopped and not any(r.get("phase") == "failed" for r in records):
+        n = len(records)
+        return (f"partir-emu: stopped by {'/'.join(stopped)}: stopped the MPI job's {n} rank{'s' if n != 1 else ''} "
+                f"on {socket.gethostname()}; {segs}")
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m partir_emu.mpi.sentinel", description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, help="the host's progress directory (removed at the end)")
+    ap.add_argument("--ranks", type=int, required=True, help="ranks on this host")
+    ap.add_argument("--deadline", type=float, default=math.inf, help="give up after this many seconds")
+    ap.add_argument("--speak", action="store_true", help="print the line (one host of the job does)")
+    args = ap.parse_args(argv)
+    for s in (signal.SIGINT, signal.SIGHUP):    # the terminal's signals are the ranks' to handle
+        signal.signal(s, signal.SIG_IGN)
+    watch = DeathWatch(Path(args.dir))
+    done = watch.wait_exits(args.ranks, args.deadline)
+    watch.stop()
+    if not done:                                # ranks still alive: their segment is in use
+        return 1
+    records = read_records(args.dir)
+    named = {s for r in records for s in r.get("shm", [])}
+    removed = set(remove_segments(named)) | {s for s in named if not os.path.exists(s)}    # a stopped rank drops its own
+    shutil.rmtree(args.dir, ignore_errors=True)
+    line = verdict(watch.silent_deaths(settle_s=0.0), records, len(removed))
+    if line and args.speak:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except OSError:                         # mpiexec is gone (SIGHUP): nobody to tell
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Process supervision of one mpiexec launch: start, deadline, stop, clean up, who died first.
+
+- :class:`Supervised` starts the command in a new session (so mpiexec and every rank it
+  starts share one process group), captures its stdout/stderr to files in the work dir, and
+  waits with a deadline. :meth:`Supervised.stop` sends SIGTERM to the group and to every
+  process of the tree at once (hydra starts each rank in a session of its own, so the group
+  alone misses them; ranks known only from their progress records are recognised by a marker
+  in their command line, e.g. the run's work dir), then SIGKILL to what is left ``grace_s``
+  later.
+- :func:`cleanup_shm` removes MPICH's ``/dev/shm/mpich_shm_*`` segments a failed run left:
+  those its ranks reported, and new ones that no live process maps.
+- :class:`DeathWatch` learns the moment each rank exits (its ``flock`` on its progress
+  record is released) and which ranks exited without a word.
+- :func:`exit_statuses` reads hydra's per-rank exit codes.
+
+Only the standard library: the launcher process imports neither mpi4py nor jax for this.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from partir_emu.errors import EmulationError
+from partir_emu.runtime.progress import read_record
+
+SHM_PREFIX = "/dev/shm/mpich_shm"
+
+
+def mpiexec_path() -> Path:
+    """The venv's mpiexec (installed by ``pip install mpich``), else the one on PATH."""
+    p = Path(sys.executable).parent / "mpiexec"
+    if p.exists():
+        return p
+    found = shutil.which("mpiexec")
+    if not found:
+        raise EmulationError("no mpiexec next to the Python interpreter or on PATH; install MPI with "
+                             "`pip install mpich mpi4py` in this environment")
+    return Path(found)
+
+
+def is_hydra(mpiexec: Path) -> bool:
+    """MPICH's hydra launcher (it can print every rank's exit code)."""
+    try:
+        real = Path(os.path.realpath(mpiexec))
+    except OSError:
+        return False
+    return "hydra" in real.name or (real.parent / "mpiexec.hydra").exists()
+
+
+# -- the process tree ----------------------------------------------------------------------------
+def _proc_table() -> dict[int, int]:
+    """pid → ppid of every process (from /proc)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read()
+                out[int(d)] = int(st[st.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...)."""
+    kids: dict[int, list[int]] = {}
+    for p, pp in _proc_table().items():
+        kids.setdefault(pp, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with its pid, an identity that
+    survives pid reuse. None for a process that is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline_has(pid: int, marker: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return marker.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _signal(pids: Sequence[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[int] = (), grace_s: float = 3.0) -> None:
+    """SIGTERM ``proc``'s process group and every process of its tree at once (hydra starts
+    each rank in a session of its own, so the group alone misses them; ``extra_pids`` whose
+    command line holds ``marker`` are ranks known from their progress records), then SIGKILL
+    whatever is left ``grace_s`` later."""
+    ident = {p: t for p in descendants(proc.pid) if (t := _start_time(p)) is not None}
+    ident.update({p: t for p in extra_pids if p not in ident and _cmdline_has(p, marker)
+                  and (t := _start_time(p)) is not None})
+    _killpg(proc.pid, signal.SIGTERM)
+    _signal(list(ident), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    left = list(ident)
+    while (left or proc.poll() is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if _start_time(p) == ident[p]]
+    _signal(left, signal.SIGKILL)
+    if proc.poll() is None:
+        _killpg(proc.pid, signal.SIGKILL)
+    _wait(proc, grace_s)
+
+
+class Supervised:
+    """``cmd`` running in its own session with its output in ``workdir/mpiexec.{out,err}``."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], workdir: Path, marker: str) -> None:
+        self.cmd, self.env, self.workdir, self.marker = list(cmd), dict(env), workdir, marker
+        self.proc: subprocess.Popen | None = None
+        self.start_wall = 0.0
+        self.shm_before: set[str] = set()
+        self._t0 = 0.0
+        self._logs: list[Any] = []
+
+    def start(self) -> Supervised:
+        self.shm_before = shm_files()
+        self._logs = [open(self.workdir / "mpiexec.out", "w+b"), open(self.workdir / "mpiexec.err", "w+b")]
+        self.start_wall = time.time()
+        self._t0 = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._logs[0],
+                                         stderr=self._logs[1], env=self.env, start_new_session=True)
+        except OSError as exc:
+            self.close_logs()
+            raise EmulationError(f"cannot start {self.cmd[0]}: {exc}") from None
+        return self
+
+    def wait(self, budget_s: float) -> tuple[int | None, bool]:
+        """``(exit code, timed out)`` once the process ends or ``budget_s`` after the start."""
+        assert self.proc is not None, "start() first"
+        try:
+            self.proc.wait(timeout=max(budget_s - (time.monotonic() - self._t0), 0.1))
+            return self.proc.returncode, False
+        except subprocess.TimeoutExpired:
+            return None, True
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, extra_pids: Sequence[int] = (), grace_s: float = 3.0) -> None:
+        if self.proc is not None:
+            stop_process_tree(self.proc, self.marker, extra_pids, grace_s)
+
+    def output(self) -> str:
+        """stdout then stderr so far."""
+        text = ""
+        for f in self._logs:
+            try:
+                f.flush()
+                f.seek(0)
+                text += f.read().decode(errors="replace")
+            except (OSError, ValueError):
+                pass
+        return text
+
+    def close_logs(self) -> None:
+        for f in self._logs:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+# -- MPICH shared-memory segments ----------------------------------------------------------------
+def shm_files() -> set[str]:
+    try:
+        return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
+    except OSError:
+        return set()
+
+
+def _shm_in_use() -> set[str]:
+    used = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/maps") as f:
+                    for line in f:
+                        if SHM_PREFIX in line:
+                            used.add(line.rsplit(None, 1)[-1])
+            except OSError:
+                pass
+    return used
+
+
+def _mtime(p: str) -> float:
+    try:
+        return os.stat(p).st_mtime
+    except OSError:
+        return 0.0
+
+
+def cleanup_shm(named: Sequence[str], before: set[str], since: float) -> list[str]:
+    """Remove the run's MPICH segments: those its ranks reported, and new unmapped ones."""
+    new = {p for p in shm_files() - before if _mtime(p) >= since - 1}
+    return remove_segments(set(named) | (new - _shm_in_use() if new else set()))
+
+
+def remove_segments(paths: Iterable[str]) -> list[str]:
+    """Unlink the MPICH shm segments among ``paths`` (others are never touched); the removed ones."""
+    removed = []
+    for p in sorted(paths):
+        if p.startswith(SHM_PREFIX):
+            try:
+                os.unlink(p)
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
+
+
+# -- who died first ------------------------------------------------------------------------------
+class DeathWatch:
+    """Learns the moment each rank exits: a rank holds an ``flock`` on its progress file while
+    it lives (see :class:`partir_emu.mpi.rank.guard.RankGuard`); one thread per rank blocks on
+    that lock and stamps the time it is released, with the rank's last progress record.
+
+    A rank that had already exited when its thread first took the lock (a job that fails within
+    the first scan) has no known exit time: it is stamped 0.0, earlier than every observed exit,
+    so that it is never ranked after a rank whose death was seen as it happened."""
+
+    def __init__(self, progress_dir: Path) -> None:
+        self.dir = progress_dir
+        self.exits: dict[int, tuple[float, dict]] = {}
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._scanner = threading.Thread(target=self._scan, name="partir-emu-deathwatch", daemon=True)
+        self._scanner.start()
+
+    def _scan(self) -> None:
+        while not self._stop.is_set():
+            try:
+                names = os.listdir(self.dir)
+            except OSError:
+                names = []
+            for n in names:
+                path = self.dir / n
+                if n.startswith("rank-") and n not in self._seen and _size(path) > 0:
+                    self._seen.add(n)
+                    threading.Thread(target=self._wait_one, args=(path,), daemon=True).start()
+            self._stop.wait(0.02)
+
+    def _wait_one(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                t = 0.0                             # free already: exited before we watched, time unknown
+            except BlockingIOError:
+                fcntl.flock(fd, fcntl.LOCK_EX)      # granted once the rank has exited (or finished)
+                t = time.time()
+            rec = read_record(path)
+            if rec is not None:
+                self.exits[int(rec["rank"])] = (t, rec)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def silent_deaths(self, settle_s: float = 0.5) -> list[tuple[float, dict]]:
+        """Ranks that exited neither done, nor having reported a failure, nor stopped by a
+        signal, earliest first, as ``(exit wall time, last progress record)``."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and len(self.exits) < len(self._seen):
+            time.sleep(0.01)
+        out = [(t, r) for t, r in self.exits.values() if r.get("phase") not in ("done", "failed")
+               and not r.get("stopped_by")]
+        return sorted(out, key=lambda x: x[0])
+
+    def wait_exits(self, count: int, deadline_s: float) -> bool:
+        """Block until ``count`` ranks have exited (True) or ``deadline_s`` seconds passed."""
+        end = time.monotonic() + deadline_s
+        while len(self.exits) < count:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def exit_statuses(text: str) -> dict[int, str]:
+    """Per-rank exit status from hydra's ``-print-all-exitcodes`` line (single host only)."""
+    m = re.findall(r"Exit codes: \[[^\]]*\] ([0-9,]+)\s*$", text, re.M)
+    if len(m) != 1:
+        return {}
+    out = {}
+    for r, v in enumerate(int(x) for x in m[0].split(",")):
+        out[r] = f"killed by signal {v & 0x7F}" if v & 0x7F else f"exit code {v >> 8}"
+    return out

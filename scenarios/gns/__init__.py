@@ -1,0 +1,1 @@
+"""The graph network simulator scenario (:mod:`.scenario`) and its model (:mod:`.model`)."""

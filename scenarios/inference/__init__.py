@@ -1,0 +1,2 @@
+"""The inference (KV-cache decode) scenario (:mod:`.scenario`), its model (:mod:`.model`) and strategies
+(:mod:`.strategies`)."""

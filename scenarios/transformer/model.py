@@ -1,0 +1,137 @@
+"""The transformer scenario's model, plain JAX: norms, projections, MLPs, blocks, loss and the
+training step. Which parts are used is decided by the config (see ``scenarios.transformer.scenario``);
+the parameter tree is ``scenarios.transformer.scenario.param_shapes``.
+
+Mixed precision (``precision=bf16``) as Megatron and MaxText do it: parameters are float32 inputs
+(master weights) cast to bfloat16 where they are used, so matmul inputs, activations and their
+gradients are bfloat16 and the parameter gradients come back float32 through the casts; norm
+statistics, the softmax and the loss (logits cast to float32 before the log-softmax) are float32,
+their outputs cast back. Adam's state is float32 (``scenarios.common.adam_update``). With
+``precision=f32`` no cast is emitted at all.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from scenarios.common import Config
+from scenarios.precision import as_dtype, compute_dtype, wide
+from scenarios.training import train_step
+from scenarios.transformer.attention import ATTENTION
+
+EPS = 1e-5
+
+
+def gelu(x):
+    """gelu, tanh approximation, in ``x``'s dtype."""
+    import jax.numpy as jnp
+
+    c = np.asarray(math.sqrt(2.0 / math.pi), x.dtype)
+    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
+
+
+def relu(x):
+    import jax.numpy as jnp
+
+    return jnp.maximum(x, 0.0)
+
+
+def silu(x):
+    import jax
+
+    return x * jax.nn.sigmoid(x)
+
+
+def norm(x, p: dict, kind: str, dtype):
+    """layernorm (scale and bias) or rmsnorm (scale only); statistics in float32, output in ``dtype``."""
+    import jax
+    import jax.numpy as jnp
+
+    x = wide(x)
+    if kind == "rmsnorm":
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * p["scale"]
+    else:
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        xc = x - mean
+        var = jnp.mean(xc * xc, axis=-1, keepdims=True)
+        y = xc * jax.lax.rsqrt(var + EPS) * p["scale"] + p["bias"]
+    return as_dtype(y, dtype)
+
+
+def dense(x, p: dict, w: str, b: str | None = None):
+    """``x @ p[w] (+ p[b] when the config has that bias)``, the parameters cast to ``x``'s dtype."""
+    y = x @ as_dtype(p[w], x.dtype)
+    return y + as_dtype(p[b], x.dtype) if b is not None and b in p else y
+
+
+def attention(x, p: dict, cfg: Config):
+    b, s, _ = x.shape
+    heads, kv, dh = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    q = dense(x, p, "w_q", "b_q").reshape(b, s, heads, dh)
+    k = dense(x, p, "w_k").reshape(b, s, kv, dh)             # no key bias (see scenarios.transformer.scenario)
+    v = dense(x, p, "w_v", "b_v").reshape(b, s, kv, dh)
+    out = ATTENTION[cfg["attention"]](q, k, v).reshape(b, s, heads * dh)
+    return dense(out, p, "w_o", "b_o")
+
+
+def mlp(x, p: dict, kind: str):
+    if kind == "swiglu":
+        return dense(silu(dense(x, p, "w_gate", "b_gate")) * dense(x, p, "w_up", "b_up"), p, "w_down", "b_down")
+    act = gelu if kind == "gelu" else relu
+    return dense(act(dense(x, p, "w_in", "b_in")), p, "w_out", "b_out")
+
+
+def make_block(cfg: Config):
+    """One layer ``(x, params/layer_i) -> x``: serial (pre-norm GPT) or parallel (PaLM)."""
+    dtype, nk, mk = compute_dtype(cfg), cfg["norm"], cfg["mlp"]
+
+    def serial(x, p):
+        x = x + attention(norm(x, p["ln1"], nk, dtype), p["attn"], cfg)
+        return x + mlp(norm(x, p["ln2"], nk, dtype), p["mlp"], mk)
+
+    def parallel(x, p):
+        h = norm(x, p["ln1"], nk, dtype)
+        return x + attention(h, p["attn"], cfg) + mlp(h, p["mlp"], mk)
+
+    return parallel if cfg["block"] == "parallel" else serial
+
+
+def make_loss(cfg: Config):
+    """``(params, batch) -> mean next-token cross-entropy`` (float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = compute_dtype(cfg)
+    block = make_block(cfg)
+    if cfg.get("remat", 0):
+        block = jax.checkpoint(block)
+
+    def loss_fn(params, batch):
+        emb = params["embed"]
+        # gather from the float32 table, then cast: the embedding gradient accumulates in float32
+        x = as_dtype(emb["tokens"][batch["tokens"]], dtype) + as_dtype(emb["pos"], dtype)
+        if cfg["layers_as"] == "loop":
+            x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params["layers"])
+        else:
+            for i in range(cfg["layers"]):
+                x = block(x, params[f"layer_{i}"])
+        h = norm(x, params["final_ln"], cfg["norm"], dtype)
+        unembed = as_dtype(emb["tokens"], dtype).T if cfg["tied"] else as_dtype(params["unembed"]["w"], dtype)
+        logp = jax.nn.log_softmax(wide(h @ unembed), axis=-1)
+        onehot = jax.nn.one_hot(batch["targets"], cfg["vocab"], dtype=logp.dtype)
+        return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+
+    return loss_fn
+
+
+def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
+    """The training step ``(params, opt, batch) -> (loss, new_params, new_opt)``; with
+    ``grads_only`` the same step stopped before the optimizer: ``-> (loss, grads)``."""
+
+    loss_fn = make_loss(cfg)
+
+    return train_step(loss_fn, lr=lr, grads_only=grads_only)
+
+
+__all__ = ["make_step", "make_loss", "make_block", "norm", "dense", "gelu", "relu", "silu", "compute_dtype"]

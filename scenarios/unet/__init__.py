@@ -1,0 +1,1 @@
+"""The U-Net diffusion scenario (:mod:`.scenario`) and its model (:mod:`.model`)."""
