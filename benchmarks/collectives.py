@@ -6,9 +6,9 @@ kind (all_reduce, all_gather, reduce_scatter, all_to_all) and size, compares
 
 - **raw**: mpi4py's blocking ``comm.Allreduce`` / ``Allgather`` / ``Reduce_scatter_block`` /
   ``Alltoall`` on preallocated numpy buffers over ``COMM_WORLD``;
-- **native**: :meth:`partir_emu.mpi.rank.collectives.MpiCollectives.run_native` (non-blocking MPI collective on a
+- **native**: :meth:`partir_emu.mpi.ranks.collectives.MpiCollectives.run_native` (non-blocking MPI collective on a
   cached sub-communicator, waited on with ``Test`` + short sleeps);
-- each **schedule** algorithm through :meth:`partir_emu.mpi.rank.collectives.MpiCollectives.run_schedule`: ring,
+- each **schedule** algorithm through :meth:`partir_emu.mpi.ranks.collectives.MpiCollectives.run_schedule`: ring,
   bidir_ring, recursive, torus (the ranks as a 2-D group, e.g. 4x4) and hierarchical
   (``devices_per_node=4``). A fallback is shown as ``asked->built`` (all_to_all has no ring:
   ring, bidir_ring and recursive build ``pairwise``, hierarchical builds ``direct``).
@@ -23,7 +23,7 @@ timed with ``MPI.Wtime``; its time is the max over ranks. A cell's time is the m
 samples, and its ratio the median over rounds of ``raw time / path time`` measured in the same
 round (paired, so load that changes between rounds cancels). Native and schedule calls run
 with ``check=False`` (no header exchange: in the emulator
-:class:`~partir_emu.mpi.rank.mesh.MpiMesh` runs its own agreement check per collective);
+:class:`~partir_emu.mpi.ranks.mesh.MpiMesh` runs its own agreement check per collective);
 the summary shows what ``check=True`` adds to a small all_reduce. The load average is printed
 before and after each mpiexec run.
 
@@ -90,7 +90,7 @@ def worker(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from partir_emu.collectives.algorithms import build_schedule
-    from partir_emu.mpi.rank.collectives import MpiCollectives
+    from partir_emu.mpi.ranks.collectives import MpiCollectives
 
     comm = MPI.COMM_WORLD
     me, R = comm.Get_rank(), comm.Get_size()

@@ -287,8 +287,8 @@ def test_every_module_has_a_docstring():
 
 
 RANK_SIDE = ["partir_emu", "partir_emu.mpi", "partir_emu.core.spmd", "partir_emu.primitives",
-             "partir_emu.mpi.rank.worker", "partir_emu.mpi.rank.mesh", "partir_emu.runtime.local_mesh",
-             "partir_emu.mpi.rank.collectives", "partir_emu.hwmodels.analytical", "partir_emu.hwmodels.des.model"]
+             "partir_emu.mpi.ranks.worker", "partir_emu.mpi.ranks.mesh", "partir_emu.runtime.local_mesh",
+             "partir_emu.mpi.ranks.collectives", "partir_emu.hwmodels.analytical", "partir_emu.hwmodels.des.model"]
 
 
 def test_rank_side_modules_load_without_jax():
@@ -309,3 +309,12 @@ def test_the_driver_side_of_the_mpi_package_does_not_start_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"mpi4py was imported: {out.stdout.strip()}"
+
+
+def test_no_module_of_partir_emu_mpi_hides_a_session_name():
+    """``partir_emu.mpi`` exports the session's names lazily; a submodule of the same name would win
+    once imported (``partir_emu.mpi.rank`` once hid ``pmpi.rank()``)."""
+    import partir_emu.mpi as pmpi
+    here = ROOT / "partir_emu" / "mpi"
+    subs = {p.stem for p in here.glob("*.py")} | {p.parent.name for p in here.glob("*/__init__.py")}
+    assert not subs & set(pmpi.__all__), sorted(subs & set(pmpi.__all__))

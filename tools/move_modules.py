@@ -3,11 +3,11 @@
     python tools/move_modules.py MOVES.json [--dry-run | --rewrite-only]
 
 ``MOVES.json`` maps old dotted module names to new ones (``{"partir_emu.runtime.worker":
-"partir_emu.mpi.rank.worker"}``). The tool ``git mv``s each file, creates the ``__init__.py`` of
+"partir_emu.mpi.ranks.worker"}``). The tool ``git mv``s each file, creates the ``__init__.py`` of
 every new package (with a placeholder docstring to be written by hand), and rewrites, in every
 tracked text file: dotted names (``partir_emu.runtime.worker`` and anything below it), paths
 (``partir_emu/runtime/worker.py``), and ``from partir_emu.runtime import worker`` imports
-(rewritten to ``from partir_emu.mpi.rank import worker``, keeping the local name). It is a
+(rewritten to ``from partir_emu.mpi.ranks import worker``, keeping the local name). It is a
 one-off refactoring aid, not part of the package; the test suite checks its result.
 ``--rewrite-only`` rewrites the references and moves no file (after merging one module into another).
 """

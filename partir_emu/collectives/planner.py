@@ -13,7 +13,7 @@ schedule order otherwise. The arithmetic per element is the schedule's, in its o
 executor gives the same bits.
 
 The in-process executor (:mod:`partir_emu.collectives.local`) runs a plan with every member hosted
-here (rank 0, no messages); the MPI executor (:mod:`partir_emu.mpi.rank.collectives`) posts its messages.
+here (rank 0, no messages); the MPI executor (:mod:`partir_emu.mpi.ranks.collectives`) posts its messages.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A :class:`CollectiveSchedule` is what every consumer of a collective reads: the
 local executor (:mod:`partir_emu.collectives.local`) and the MPI executor
-(:mod:`partir_emu.mpi.rank.collectives`) move real data exactly as it says, the
+(:mod:`partir_emu.mpi.ranks.collectives`) move real data exactly as it says, the
 analytical model prices it and the DES replays it.
 
 **Chunks.** The data a collective moves is cut into ``num_chunks`` chunks of

@@ -1,7 +1,7 @@
 """Launch MPI ranks for a list of jobs and collect their results.
 
 ``MpiRun(jobs, R).start().wait()`` writes the jobs file (:mod:`partir_emu.mpi.jobs`) to a
-work dir and starts ``<venv>/bin/mpiexec -n R python -m partir_emu.mpi.rank.worker --jobs FILE``
+work dir and starts ``<venv>/bin/mpiexec -n R python -m partir_emu.mpi.ranks.worker --jobs FILE``
 under :mod:`partir_emu.mpi.supervise` (own process group, ``MPIEXEC_TIMEOUT`` set, a
 deadline of its own). No rank imports jax. Rank 0 writes each job's unsharded outputs (.npz)
 and stats (JSON); :meth:`MpiRun.wait` returns them. (:func:`partir_emu.app.cli.mpi_run.launch`
@@ -9,7 +9,7 @@ runs jobs that name a scenario, in a temporary work dir.)
 
 :func:`under_mpirun` tells whether this process is itself a rank of a user's ``mpirun``
 (``PMI_RANK``/``PMI_SIZE``/``OMPI_COMM_WORLD_SIZE``/``PMIX_RANK`` in the environment); then
-the app layer runs :func:`partir_emu.mpi.rank.worker.run_job` in place instead of launching.
+the app layer runs :func:`partir_emu.mpi.ranks.worker.run_job` in place instead of launching.
 
 **Failures.** A non-zero exit of mpiexec raises :class:`EmulationError` with the ranks'
 ``partir-emu rank R device D op K …`` lines (:mod:`partir_emu.mpi.failure_report`); for a
@@ -67,7 +67,7 @@ def mpirun_rank() -> int | None:
 
 
 class MpiRun:
-    """``mpiexec -n ranks python -m partir_emu.mpi.rank.worker --jobs FILE`` for a list of jobs.
+    """``mpiexec -n ranks python -m partir_emu.mpi.ranks.worker --jobs FILE`` for a list of jobs.
 
     ``jobs``: dicts as documented in :mod:`partir_emu.mpi.jobs` (``out`` defaults to a
     directory in ``workdir``). ``timeout_s`` bounds the whole launch; the ranks' own watchdog
@@ -110,7 +110,7 @@ class MpiRun:
         write_jobs(jobs_file, self.jobs, self.rank_timeout_s, self.progress_dir)
         hydra = ["-print-all-exitcodes"] if is_hydra(self.mpiexec) else []
         cmd = [str(self.mpiexec), "-n", str(self.ranks), *hydra, *self.mpiexec_args,
-               sys.executable, "-m", "partir_emu.mpi.rank.worker", "--jobs", str(jobs_file)]
+               sys.executable, "-m", "partir_emu.mpi.ranks.worker", "--jobs", str(jobs_file)]
         self.watch = DeathWatch(self.progress_dir)
         try:
             self.process = Supervised(cmd, self._env(), self.workdir, marker=str(self.workdir)).start()

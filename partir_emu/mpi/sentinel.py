@@ -3,7 +3,7 @@
 Under ``mpiexec -n R partir-emu run … --backend mpi`` no launcher of ours is around: when a
 rank is killed (SIGKILL, OOM), hydra SIGKILLs the others at once, so no rank can say which
 one died, and nobody removes MPICH's ``/dev/shm/mpich_shm_*`` segment. So the first rank on
-each host starts this process (:func:`partir_emu.mpi.rank.worker.guard_under_mpirun`) in a
+each host starts this process (:func:`partir_emu.mpi.ranks.worker.guard_under_mpirun`) in a
 session of its own, where mpiexec's clean-up does not reach it::
 
     python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak]

@@ -16,7 +16,7 @@
 Rank 0 traces and lowers (only it imports jax). For each call it broadcasts a command, the
 program when it is new (its JSON text, as ``partir-emu run`` under ``mpirun`` does) and the
 global inputs (a JSON header of dtypes and shapes, then the raw bytes: no pickle); every rank
-then runs its devices (:func:`partir_emu.mpi.rank.worker.run_job`, the same code as the CLI's
+then runs its devices (:func:`partir_emu.mpi.ranks.worker.run_job`, the same code as the CLI's
 ranks). The global outputs come back to rank 0; with ``outputs="all"`` (the default) rank 0
 broadcasts them too, and :func:`serve` returns them on the other ranks, one list per call.
 When rank 0's script ends (``atexit``) or calls :func:`finish`, it sends *stop* and ``serve``
@@ -34,8 +34,8 @@ from mpi4py import MPI
 from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import EmulationError, MeshError
-from partir_emu.mpi.rank import worker
-from partir_emu.mpi.rank.wait import wait_all
+from partir_emu.mpi.ranks import worker
+from partir_emu.mpi.ranks.wait import wait_all
 from partir_emu.runtime.kernels import check_kernels
 
 _STOP, _RUN = 0, 1

@@ -258,7 +258,7 @@ def remove_segments(paths: Iterable[str]) -> list[str]:
 # -- who died first ------------------------------------------------------------------------------
 class DeathWatch:
     """Learns the moment each rank exits: a rank holds an ``flock`` on its progress file while
-    it lives (see :class:`partir_emu.mpi.rank.guard.RankGuard`); one thread per rank blocks on
+    it lives (see :class:`partir_emu.mpi.ranks.guard.RankGuard`); one thread per rank blocks on
     that lock and stamps the time it is released, with the rank's last progress record.
 
     A rank that had already exited when its thread first took the lock (a job that fails within

@@ -1,6 +1,6 @@
 """Where a rank is: op descriptions for error messages, and the progress record.
 
-A rank of an MPI run (:class:`partir_emu.mpi.rank.guard.RankGuard`) keeps a
+A rank of an MPI run (:class:`partir_emu.mpi.ranks.guard.RankGuard`) keeps a
 fixed-size JSON record ``rank-NNNNN.json`` up to date in the run's progress
 directory: ``rank``, ``pid``, ``host``, ``job``, ``phase`` (startup, inputs,
 barrier, step, gather, ..., ``done`` or ``failed``), ``devices``, ``shm`` (its

@@ -20,7 +20,7 @@ from _layout import layout  # a sibling script module: this directory is sys.pat
 from partir_emu.collectives.algorithms import build_schedule
 from partir_emu.collectives.local import run_schedule
 from partir_emu.collectives.semantics import reference
-from partir_emu.mpi.rank.collectives import MpiCollectives
+from partir_emu.mpi.ranks.collectives import MpiCollectives
 
 TIMEOUT_S = 30.0
 

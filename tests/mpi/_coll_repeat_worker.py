@@ -16,7 +16,7 @@ from _layout import layout  # a sibling script module: this directory is sys.pat
 from partir_emu.collectives.algorithms import ALGORITHMS, build_schedule
 from partir_emu.collectives.local import run_schedule
 from partir_emu.collectives.schedule import KINDS
-from partir_emu.mpi.rank.collectives import MpiCollectives
+from partir_emu.mpi.ranks.collectives import MpiCollectives
 
 
 def main() -> int:

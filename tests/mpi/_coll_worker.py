@@ -23,7 +23,7 @@ from partir_emu.collectives.local import run_schedule
 from partir_emu.collectives.schedule import KINDS, CollectiveSchedule, Step, Transfer
 from partir_emu.collectives.semantics import reference
 from partir_emu.errors import CollectiveError
-from partir_emu.mpi.rank.collectives import MpiCollectives
+from partir_emu.mpi.ranks.collectives import MpiCollectives
 
 TIMEOUT_S = 30.0
 

@@ -2,7 +2,7 @@
 
 Usage: ``_permute_worker.py DIR K ALGORITHM``. ``DIR`` holds ``case*.json`` (SpmdPrograms) and
 ``case*.in.npz`` (their global inputs, by input name); every rank loads them, runs each on an
-:class:`~partir_emu.mpi.rank.mesh.MpiMesh` with ``K`` devices per rank, and rank 0 writes the
+:class:`~partir_emu.mpi.ranks.mesh.MpiMesh` with ``K`` devices per rank, and rank 0 writes the
 global outputs to ``case*.out.<ALGORITHM>.k<K>.npz`` and (schedule algorithms) the message trace
 to ``case*.trace.<ALGORITHM>.k<K>.jsonl``. It never imports jax.
 """
@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from partir_emu.core.msgtrace import trace_header, write_message_trace
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.mpi.rank.mesh import MpiMesh
+from partir_emu.mpi.ranks.mesh import MpiMesh
 
 
 def main() -> None:

@@ -186,7 +186,7 @@ def test_progress_records_are_json(tmp_path, baseline_s):
 def test_local_op_failure_names_device_and_op(monkeypatch):
     """A failing non-collective equation is located from the engine's frames: its index,
     primitive, source line and the device being evaluated (no MPI needed)."""
-    from partir_emu.mpi.rank.guard import RankGuard
+    from partir_emu.mpi.ranks.guard import RankGuard
     from partir_emu.runtime import engine
     from partir_emu.runtime.local_mesh import LocalMesh
     exp, spmd = lowered("mlp", "bp", "batch=4")

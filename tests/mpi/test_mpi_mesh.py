@@ -106,7 +106,7 @@ def test_rank_inputs_equal_experiment_inputs():
 
 def test_worker_never_imports_jax():
     """Importing everything a worker rank uses must not pull in jax."""
-    code = ("import sys, partir_emu.mpi.rank.worker, partir_emu.mpi.rank.mesh, partir_emu.mpi.launch, "
+    code = ("import sys, partir_emu.mpi.ranks.worker, partir_emu.mpi.ranks.mesh, partir_emu.mpi.launch, "
             "partir_emu.app.cli.main, partir_emu.app.cli.mpi_run as w; w.numpy_inputs('transformer', None, None, 0); "
             "w.numpy_inputs('mlp', None, None, 0); "
             "print('jax' in sys.modules)")

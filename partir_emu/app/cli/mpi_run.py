@@ -13,7 +13,7 @@ verifies and reports.
 **Under the user's mpirun**: ``mpirun -n R partir-emu run … --backend mpi --devices-per-rank k``.
 Rank 0 lowers (only rank 0 imports jax) and broadcasts the program as JSON bytes (``Ibcast``
 of its length, then of a uint8 buffer); every rank makes its inputs (numpy only) and runs its
-devices (:func:`partir_emu.mpi.rank.worker.run_job`); rank 0 gathers, verifies and reports; the
+devices (:func:`partir_emu.mpi.ranks.worker.run_job`); rank 0 gathers, verifies and reports; the
 other ranks return ``None``. Works with a hostfile and the system's ``mpirun`` across hosts.
 
 Stopping (Ctrl-C, SIGTERM, SIGHUP): self-launched, the launcher stops mpiexec and the ranks,
@@ -209,7 +209,7 @@ def _lower_and_warn(exp: Experiment) -> SpmdProgram:
 def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
     """One rank of a user's ``mpirun -n R partir-emu run … --backend mpi``."""
     # why here: the worker imports mpi4py, which initializes MPI: only a process mpirun started may
-    from partir_emu.mpi.rank import worker
+    from partir_emu.mpi.ranks import worker
     comm = worker.world()
     rank, nranks = comm.Get_rank(), comm.Get_size()
     n, k = _layout(exp, args)

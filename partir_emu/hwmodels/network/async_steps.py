@@ -3,7 +3,7 @@
 The lock-step price (:meth:`.contention.Fabric.price`: each step as long as its slowest message,
 steps summed) assumes every member starts step ``s + 1`` together. Real runtimes have no barrier
 per step: the MPI executor posts a step's receives while the previous step is in flight
-(:mod:`partir_emu.mpi.rank.steps`), and NCCL's connections have receive buffers posted ahead
+(:mod:`partir_emu.mpi.ranks.steps`), and NCCL's connections have receive buffers posted ahead
 of the kernel; so a member enters step ``s + 1`` as soon as its own messages of step ``s`` are
 delivered and sends at once (the DES runs exactly this, :mod:`.des.collective`). With uneven steps
 (a slow link: degraded, or a detour sharing another GPU's NIC; routes of different lengths; a NIC

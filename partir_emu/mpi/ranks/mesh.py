@@ -15,12 +15,12 @@ that contains a local device:
   ``hierarchical``): the operand's collective dim is moved to the front and
   flattened (exactly as :class:`~partir_emu.runtime.local_mesh.LocalMesh` does), the
   schedule of :mod:`partir_emu.collectives.algorithms` runs through
-  :meth:`partir_emu.mpi.rank.collectives.MpiCollectives.run_schedules` (all groups of one
+  :meth:`partir_emu.mpi.ranks.collectives.MpiCollectives.run_schedules` (all groups of one
   collective at once; transfers between devices of one rank are copies, the
   others MPI messages), and the result is restored. The arithmetic and its
   order are the schedule's, so the outputs equal LocalMesh's with the same
   algorithm **bit for bit**;
-- ``native``: :meth:`partir_emu.mpi.rank.collectives.MpiCollectives.run_native` (the MPI
+- ``native``: :meth:`partir_emu.mpi.ranks.collectives.MpiCollectives.run_native` (the MPI
   library's own collective on a cached sub-communicator of the group's
   ranks); equal to LocalMesh up to rounding.
 
@@ -69,8 +69,8 @@ from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, permute_pairs
 from partir_emu.errors import CollectiveError, EmulationError, MeshError
 from partir_emu.mpi.faults import FaultInjector
 from partir_emu.mpi.jobs import MPI_ALGORITHMS
-from partir_emu.mpi.rank.collectives import MpiCollectives
-from partir_emu.mpi.rank.wait import wait_all
+from partir_emu.mpi.ranks.collectives import MpiCollectives
+from partir_emu.mpi.ranks.wait import wait_all
 from partir_emu.runtime.engine import EngineResult, Position, run_spmd
 from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.layout import block_slices, collective_dims, flatten_operand, restore_result, shard

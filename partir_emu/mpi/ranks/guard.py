@@ -22,7 +22,7 @@ from partir_emu.core.spmd import COMM_PRIMS
 from partir_emu.errors import PartirError
 from partir_emu.mpi.failure_report import laggards, positions
 from partir_emu.mpi.interrupts import install, restore
-from partir_emu.mpi.rank.mesh import MpiMesh
+from partir_emu.mpi.ranks.mesh import MpiMesh
 from partir_emu.runtime.progress import (
     OpContext,
     device_str,

@@ -9,7 +9,7 @@ library's order, not a schedule's: results equal the schedule executor's up to
 rounding. A dtype without a predefined MPI datatype (bfloat16) takes :func:`_native_raw`: MPI
 moves its bits and reductions run in numpy in group order, bit-identical to LocalMesh ``'direct'``
 (MPI's built-in SUM cannot add bfloat16, and a user-defined ``MPI.Op`` would sum in the library's
-bracketing, which differs between algorithms and rank counts). The entry point is :meth:`partir_emu.mpi.rank.collectives.MpiCollectives.run_native`.
+bracketing, which differs between algorithms and rank counts). The entry point is :meth:`partir_emu.mpi.ranks.collectives.MpiCollectives.run_native`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from mpi4py import MPI
 from partir_emu.collectives.schedule import KINDS
 from partir_emu.collectives.semantics import REDUCE_OPS
 from partir_emu.errors import CollectiveError
-from partir_emu.mpi.rank.wait import wait
+from partir_emu.mpi.ranks.wait import wait
 
 MAGIC = 0x50434F4C  # "PCOL": first word of every header the executors exchange
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}

@@ -30,7 +30,7 @@ from mpi4py import MPI
 from partir_emu.collectives.planner import Plan, StepPlan
 from partir_emu.collectives.workspace import Rows
 from partir_emu.errors import CollectiveError
-from partir_emu.mpi.rank.wait import cancel, wait
+from partir_emu.mpi.ranks.wait import cancel, wait
 
 _BYTE = MPI.BYTE
 Spans = dict[int, list[tuple[int, int]]]   # per job: byte ranges [lo, hi) of its work buffer

@@ -3,7 +3,7 @@ gather to rank 0 — and fail loudly.
 
 Entry point (started by :mod:`partir_emu.mpi.launch`, one process per rank)::
 
-    mpiexec -n R python -m partir_emu.mpi.rank.worker --jobs JOBS.json
+    mpiexec -n R python -m partir_emu.mpi.ranks.worker --jobs JOBS.json
 
 The jobs file, the inputs file of each job and rank 0's result files are described in
 :mod:`partir_emu.mpi.jobs`. No rank of a worker launch imports jax (nor a model: the
@@ -50,9 +50,9 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArtifactError, EmulationError
 from partir_emu.mpi.faults import parse_fault
 from partir_emu.mpi.jobs import load_inputs, read_jobs, write_job_result
-from partir_emu.mpi.rank.guard import START_WALL, RankGuard
-from partir_emu.mpi.rank.mesh import MpiMesh
-from partir_emu.mpi.rank.wait import wait_all
+from partir_emu.mpi.ranks.guard import START_WALL, RankGuard
+from partir_emu.mpi.ranks.mesh import MpiMesh
+from partir_emu.mpi.ranks.wait import wait_all
 from partir_emu.runtime.local_mesh import check_global_inputs
 
 
@@ -204,7 +204,7 @@ def broadcast_program(comm: MPI.Intracomm, guard: RankGuard, lower: Callable[[],
 
 # -- entry point --------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m partir_emu.mpi.rank.worker",
+    ap = argparse.ArgumentParser(prog="python -m partir_emu.mpi.ranks.worker",
                                  description="one MPI rank of a partir-emu run (started by mpi_launch)")
     ap.add_argument("--jobs", required=True, help="JOBS.json (see partir_emu.mpi.jobs)")
     args = ap.parse_args(argv)

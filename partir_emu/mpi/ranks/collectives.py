@@ -39,9 +39,9 @@ from partir_emu.collectives.planner import Plan, StepPlan
 from partir_emu.collectives.schedule import KINDS, CollectiveSchedule
 from partir_emu.collectives.semantics import REDUCE_OPS, reduce_fn, reference
 from partir_emu.errors import CollectiveError
-from partir_emu.mpi.rank.native import MAGIC, SubcommCache, check_header, native, native_layout
-from partir_emu.mpi.rank.steps import StepRunner
-from partir_emu.mpi.rank.wait import DEFAULT_TIMEOUT_S, wait
+from partir_emu.mpi.ranks.native import MAGIC, SubcommCache, check_header, native, native_layout
+from partir_emu.mpi.ranks.steps import StepRunner
+from partir_emu.mpi.ranks.wait import DEFAULT_TIMEOUT_S, wait
 
 Job = tuple[CollectiveSchedule, Sequence[int], Mapping[int, np.ndarray]]   # (schedule, group devices, local inputs)
 _BYTE = MPI.BYTE
