@@ -5,6 +5,9 @@ saved programs, the validate cache — goes through :func:`atomic_path`: the wri
 temp file in the target's own directory (same file system, so the rename is atomic) and
 ``os.replace`` puts it in place only when the writer returned. Two concurrent writers then
 leave one of the two complete files, never an interleaving, and a crash leaves the old file.
+A symlink is followed (its target is replaced, the link stays); a target that exists and is not a
+regular file (a device, a FIFO) is refused, since the rename would replace the node itself
+(:mod:`partir_emu.app.outputs` refuses those, and outputs that are inputs, before any work).
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from partir_emu.app.outputs import check_output_target
+
 
 def _umask() -> int:
     mask = os.umask(0o022)      # why set-and-restore: the only portable way to read the umask
@@ -26,8 +31,9 @@ def _umask() -> int:
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temp path next to ``path`` (same suffix, so writers that pick a format from it still
-    work); on a normal exit it replaces ``path``, on an exception it is removed."""
-    target = Path(path)
+    work); on a normal exit it replaces ``path`` (a symlink's target), on an exception it is removed."""
+    check_output_target(str(path), "output")
+    target = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
                                prefix=f".{target.name}.", suffix=f".tmp{target.suffix}")
     os.close(fd)

@@ -23,6 +23,7 @@ from partir_emu.app.cli.mpi_run import run_mpi_cli
 from partir_emu.app.cli.phases import Phases
 from partir_emu.app.common import add_experiment_args, experiment_from_args, print_warnings, write_report
 from partir_emu.app.experiment import run_local
+from partir_emu.app.outputs import check_outputs
 from partir_emu.app.xla import compare as compare_xla
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.mpi.interrupts import describe, exit_status, leave_now, signals_raise
@@ -171,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         with signals_raise():       # SIGTERM/SIGHUP unwind like Ctrl-C: the MPI launcher cleans up
+            check_outputs(args)     # before any work: no output may replace an input or a device
             return args.fn(args)
     except PartirError as exc:
         if mpirun_rank() in (None, 0):      # under the user's mpirun every rank has the same error
