@@ -159,7 +159,7 @@ def test_pairwise_all_to_all_members_run_ahead(topology):
     Not a closed-form case; the direction is what the test holds."""
     import numpy as np
 
-    from partir_emu.hwmodels.des import Router, max_min_rates
+    from partir_emu.hwmodels.des import FlowRouter, max_min_rates
     from partir_emu.hwmodels.network.comm import CommModel
 
     if topology == "torus":
@@ -172,7 +172,7 @@ def test_pairwise_all_to_all_members_run_ahead(topology):
     n = g * g * 2 * 1024 * 4
     ana, des = both(one_collective(pl.mesh, "all_to_all", axes, n), spec, pl, "ring")
     choice, sched = CommModel(pl, "ring").schedule("all_to_all", axes, n)
-    router, lockstep = Router(pl.topology), 0.0
+    router, lockstep = FlowRouter(pl.topology), 0.0
     for msgs in sched.messages():
         pat = router.pattern(np.array([choice.chips[m.src] for m in msgs]), np.array([choice.chips[m.dst] for m in msgs]))
         rates, _ = max_min_rates(pat.links, router.bw)
@@ -353,11 +353,11 @@ def test_failed_link_on_a_2d_torus_sidesteps():
     """4x4 torus, x+ link (0,0)->(1,0) failed: the detour is the shortest working path, a 3-hop sidestep
     through the neighbouring row (not 3 hops the other way round x, which ties — BFS takes the first
     found, by link id, deterministically); both directions of a cable fail with A-B."""
-    from partir_emu.hwmodels.des import Router
+    from partir_emu.hwmodels.des import FlowRouter
     from partir_emu.hwmodels.des.network.routing import link_factors
     topo = torus_topo((4, 4))
     a, b = topo.chip_at((0, 0)), topo.chip_at((1, 0))
-    r = Router(topo, link_factors(topo, failed=(f"{a}-{b}",)))
+    r = FlowRouter(topo, link_factors(topo, failed=(f"{a}-{b}",)))
     fwd, back = r.route(a, b), r.route(b, a)
     assert len(fwd) == 3 and len(back) == 3
     failed = {topo.link(a, b).id, topo.link(b, a).id}

@@ -171,12 +171,12 @@ def test_flows_due_within_the_resolution_finish_at_the_latest_and_due_flows_are_
     already due is never held back by one started at its completion instant."""
     import simpy
 
-    from partir_emu.hwmodels.des.network.routing import Router
+    from partir_emu.hwmodels.des.network.routing import FlowRouter
     from partir_emu.hwmodels.des.network.spans import FlowNetwork
     from tests.test_des_collectives import A, B
 
     env = simpy.Environment()
-    net = FlowNetwork(env, Router(ring_topo(4)), eager=eager)
+    net = FlowNetwork(env, FlowRouter(ring_topo(4)), eager=eager)
     got: dict[str, list[float]] = {}
 
     def rec(name):
@@ -193,7 +193,7 @@ def test_flows_due_within_the_resolution_finish_at_the_latest_and_due_flows_are_
     # a flow due at T; at T (before its completion is processed) a second flow starts on the same
     # link, due 0.3 ns later: the first is delivered at T + A, not held to the second's completion
     env = simpy.Environment()
-    net = FlowNetwork(env, Router(ring_topo(4)), eager=eager)
+    net = FlowNetwork(env, FlowRouter(ring_topo(4)), eager=eager)
     got.clear()
     one = net.router.pattern(np.array([0]), np.array([1]))
     T = 1000 / B

@@ -3,7 +3,7 @@
 The routes are asked for in three ways: ``Topology.route`` (one pair, :class:`Link` objects),
 ``links.Router.route`` / ``Router.route_matrix`` / ``Router.routes`` (one pair / a batch, link ids,
 with degraded and failed links; the analytical model's contention pricing uses the matrix) and the DES's
-``des.routing.Router.pattern`` (a batch as the flow network's padded matrix). They must agree on every
+``des.network.routing.FlowRouter.pattern`` (a batch as the flow network's padded matrix). They must agree on every
 pair, and the torus routes must be the documented ones: dimension order (x, then y, then z), the
 shorter way round a wrapped dim with a tie going the + way, straight along an open line, and around a
 failed link by a detour that crosses no failed link.
@@ -98,7 +98,7 @@ def test_des_patterns_are_the_routes(case):
     topo, factors, src, dst = case
     keep = src != dst                     # the DES refuses a message to itself
     src, dst = src[keep], dst[keep]
-    router = des_routing.Router(topo, factors)
+    router = des_routing.FlowRouter(topo, factors)
     pat = router.pattern(src, dst)
     expect = _rows(Router(topo, factors).route_matrix(src, dst))
     assert _rows(pat.links) == expect

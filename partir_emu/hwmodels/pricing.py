@@ -37,7 +37,7 @@ from partir_emu.hwmodels.machine.specs import HardwareSpec
 from partir_emu.hwmodels.network.comm import CollectiveCost, CommModel
 from partir_emu.hwmodels.network.concurrency import Contention
 from partir_emu.hwmodels.report import CollectiveRow
-from partir_emu.hwmodels.timeline.overlap import Schedule, overlap_memory, schedule
+from partir_emu.hwmodels.timeline.overlap import OverlapSchedule, overlap_memory, schedule
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +51,7 @@ class Priced:
     compute_s: float                 # every iteration of every loop counted
     comm_s: float
     step_s: float
-    sched: Schedule | None           # with overlap
+    sched: OverlapSchedule | None           # with overlap
     memory: MemoryProfile            # with overlap: the schedule's
     bodies: Mapping[int, Priced]     # per loop equation: its body, priced once
     walked: int                      # equations walked: this program's, each body's once

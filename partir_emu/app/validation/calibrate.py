@@ -26,7 +26,7 @@ from pathlib import Path
 
 from partir_emu.app.programs import ProgramCache
 from partir_emu.app.validation.fidelity import run_case
-from partir_emu.app.validation.fidelity_data import Case, FidelityDataError
+from partir_emu.app.validation.fidelity_data import FidelityDataError, PublishedRun
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 
@@ -44,7 +44,7 @@ def with_matmul_fraction(spec: HardwareSpec, fraction: float) -> HardwareSpec:
     return dataclasses.replace(spec, efficiency=dataclasses.replace(spec.efficiency, matmul_peak_fraction=fraction))
 
 
-def log_errors(cases: Sequence[Case], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> list[float]:
+def log_errors(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> list[float]:
     """``log(predicted step / measured step)`` of each case on ``spec``."""
     out = []
     for case in cases:
@@ -53,7 +53,7 @@ def log_errors(cases: Sequence[Case], spec: HardwareSpec, programs: ProgramCache
     return out
 
 
-def fit_fraction(cases: Sequence[Case], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> float:
+def fit_fraction(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> float:
     """The matmul fraction for which the median log step-time error of ``cases`` is zero (clamped to
     [LOW, HIGH]: a chip whose runs need more than its peak says so by hitting HIGH)."""
     def median_error(f: float) -> float:
@@ -96,7 +96,7 @@ class Calibration:
         return "\n".join(lines)
 
 
-def calibrate(chip: str, cases: Sequence[Case], *, programs: ProgramCache | None = None,
+def calibrate(chip: str, cases: Sequence[PublishedRun], *, programs: ProgramCache | None = None,
               analyzer: Analyzer | None = None) -> Calibration:
     """Fit ``chip``'s matmul fraction to its cases among ``cases`` and measure how it generalises."""
     programs = programs if programs is not None else ProgramCache()

@@ -30,7 +30,7 @@ from partir_emu.app import checks
 from partir_emu.app.cli.simulate import model_flops_per_device
 from partir_emu.app.experiment import Experiment
 from partir_emu.app.programs import ProgramCache
-from partir_emu.app.validation.fidelity_data import CONVENTIONS, Case, FidelityDataError
+from partir_emu.app.validation.fidelity_data import CONVENTIONS, FidelityDataError, PublishedRun
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
@@ -42,10 +42,10 @@ MAX_TARGET_PCT = 12.0
 
 
 @dataclass(frozen=True)
-class CaseResult:
+class FidelityResult:
     """One case, predicted."""
 
-    case: Case
+    case: PublishedRun
     params: int
     flops_per_step: float | None        # by the source's convention (None: it reports the step time)
     measured_step_s: float
@@ -77,15 +77,15 @@ class CaseResult:
         }
 
 
-def experiment(case: Case) -> Experiment:
+def experiment(case: PublishedRun) -> Experiment:
     """The case as an Experiment (cheap: nothing traced yet; its config and strategy are checked)."""
     exp = Experiment(case.scenario, case.strategy, Mesh.parse(case.mesh_text), None, case.overrides)
     exp.scenario.strategy(case.strategy, exp.mesh, exp.cfg)
     return exp
 
 
-def run_case(case: Case, programs: ProgramCache, analyzer: Analyzer, *,
-             spec: HardwareSpec | None = None) -> CaseResult:
+def run_case(case: PublishedRun, programs: ProgramCache, analyzer: Analyzer, *,
+             spec: HardwareSpec | None = None) -> FidelityResult:
     """Lower (or reuse) the case's program, simulate it with overlap on, convert to the case's metric.
     ``spec`` replaces the case's hardware file (calibration tries variants of it). Any PartirError
     (a --set key the scenario lacks, a mesh that does not fit) names the case."""
@@ -101,14 +101,14 @@ def run_case(case: Case, programs: ProgramCache, analyzer: Analyzer, *,
     params = int(exp.scenario.param_count(exp.cfg))
     flops = case.flops_per_step(exp.cfg, params)
     measured_s = case.measured_step_s(flops)
-    return CaseResult(case, params, flops, measured_s, sim.step_s, case.to_metric(sim.step_s, flops), sim,
+    return FidelityResult(case, params, flops, measured_s, sim.step_s, case.to_metric(sim.step_s, flops), sim,
                       model_flops, model_flops / (measured_s * spec.flops_bf16_per_s))
 
 
 @dataclass(frozen=True)
 class FidelityReport:
-    results: tuple[CaseResult, ...]
-    failures: tuple[tuple[Case, str], ...]      # cases that could not be run, with the reason
+    results: tuple[FidelityResult, ...]
+    failures: tuple[tuple[PublishedRun, str], ...]      # cases that could not be run, with the reason
     wall_s: float
     lower_s: float
 
@@ -197,8 +197,8 @@ def _pct(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
 
 
-def run_cases(cases: Sequence[Case], *, programs: ProgramCache | None = None, analyzer: Analyzer | None = None,
-              on_case: Callable[[Case], None] | None = None) -> FidelityReport:
+def run_cases(cases: Sequence[PublishedRun], *, programs: ProgramCache | None = None, analyzer: Analyzer | None = None,
+              on_case: Callable[[PublishedRun], None] | None = None) -> FidelityReport:
     """Run every case; a case that cannot be built or simulated is reported in ``failures``, not raised."""
     programs = programs if programs is not None else ProgramCache()
     analyzer = analyzer if analyzer is not None else Analyzer()
@@ -215,5 +215,5 @@ def run_cases(cases: Sequence[Case], *, programs: ProgramCache | None = None, an
     return FidelityReport(tuple(results), tuple(failures), time.perf_counter() - t0, programs.lower_s - lower0)
 
 
-__all__ = ["MAX_TARGET_PCT", "MEDIAN_TARGET_PCT", "CaseResult", "FidelityReport",
+__all__ = ["MAX_TARGET_PCT", "MEDIAN_TARGET_PCT", "FidelityResult", "FidelityReport",
            "experiment", "run_case", "run_cases"]

@@ -89,7 +89,7 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in (
 
 # -- one case -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Case:
+class PublishedRun:
     """One published run (see the header of ``fidelity.toml`` for the fields)."""
 
     case: str
@@ -196,7 +196,7 @@ def _check_values(d: dict, at: str) -> None:
         raise FidelityDataError(f"{at}: set.{bad[0]} is {d['set'][bad[0]]!r}; --set values are integers or words")
 
 
-def parse_case(d: Any, at: str) -> Case:
+def parse_case(d: Any, at: str) -> PublishedRun:
     """One ``[[case]]`` table, checked; errors name ``at`` (file and case) and the field."""
     _check_fields(d, at)
     _check_values(d, at)
@@ -204,7 +204,7 @@ def parse_case(d: Any, at: str) -> Case:
     for k in ("published_mfu", "published_hfu"):
         if k in kw:
             kw[k] = float(kw[k])
-    return Case(case=d["case"], group=d["group"], source=d["source"], hardware=d["hardware"], chips=d["chips"],
+    return PublishedRun(case=d["case"], group=d["group"], source=d["source"], hardware=d["hardware"], chips=d["chips"],
                 strategy=d["strategy"], mesh=tuple(d["mesh"].items()), global_batch=d["global_batch"],
                 set=tuple(d["set"].items()), measured=float(d["measured"]), metric=d["metric"],
                 convention=d["convention"], where=at, **kw)
@@ -215,7 +215,7 @@ def default_path() -> Path:
     return Path(str(resources.files("partir_emu.app").joinpath("data").joinpath(DATA_FILE)))
 
 
-def load_cases(path: str | Path | None = None) -> list[Case]:
+def load_cases(path: str | Path | None = None) -> list[PublishedRun]:
     """Every case of the data file (default: the packaged one), checked, in file order."""
     path = Path(path) if path is not None else default_path()
     try:
@@ -243,7 +243,7 @@ def load_cases(path: str | Path | None = None) -> list[Case]:
     return cases
 
 
-def select(cases: list[Case], names: list[str] | None = None, group: str = "required") -> list[Case]:
+def select(cases: list[PublishedRun], names: list[str] | None = None, group: str = "required") -> list[PublishedRun]:
     """The cases named (in the order given), else those of ``group`` (``required``, ``extra``, ``all``)."""
     if names:
         by_name = {c.case: c for c in cases}
@@ -258,5 +258,5 @@ def select(cases: list[Case], names: list[str] | None = None, group: str = "requ
     return [c for c in cases if c.group == group]
 
 
-__all__ = ["CONVENTIONS", "DATA_FILE", "GROUPS", "METRICS", "Case", "Convention", "FidelityDataError",
+__all__ = ["CONVENTIONS", "DATA_FILE", "GROUPS", "METRICS", "PublishedRun", "Convention", "FidelityDataError",
            "default_path", "head_dim", "load_cases", "parse_case", "select"]

@@ -16,9 +16,9 @@ nor mpi4py.
 """
 from partir_emu.hwmodels.des.model import DesError, DesOptions, Simulation, simulate_des
 from partir_emu.hwmodels.des.network.rates import max_min_rates
-from partir_emu.hwmodels.des.network.routing import Router, parse_links
+from partir_emu.hwmodels.des.network.routing import FlowRouter, parse_links
 from partir_emu.hwmodels.des.network.spans import FlowNetwork
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow
 
 __all__ = ["simulate_des", "DesOptions", "DesReport", "DesCollectiveRow", "LinkRow", "DesError", "Simulation",
-           "FlowNetwork", "max_min_rates", "Router", "parse_links"]
+           "FlowNetwork", "max_min_rates", "FlowRouter", "parse_links"]

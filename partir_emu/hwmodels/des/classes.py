@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from partir_emu.hwmodels.des.network.routing import FlowClasses, Router
-from partir_emu.hwmodels.des.plans import StepPlan
+from partir_emu.hwmodels.des.network.routing import FlowClasses, FlowRouter
+from partir_emu.hwmodels.des.plans import FlowStep
 
 MAX_ROUNDS = 4096          # refinement rounds (each splits a class; past this, no classes)
 MIN_GAIN = 2               # use classes only if they are at least this many times fewer than members
@@ -91,7 +91,7 @@ def _member_sig(M: int, src: np.ndarray, dst: np.ndarray, fid: np.ndarray, F: in
     return _ids(*mat.T)
 
 
-def _static_keys(plan: StepPlan, router: Router) -> np.ndarray:
+def _static_keys(plan: FlowStep, router: FlowRouter) -> np.ndarray:
     """Per flow: an id of (bytes, route latency, bottleneck capacity, hops, rank)."""
     links = plan.route.links
     ok = links >= 0
@@ -99,8 +99,8 @@ def _static_keys(plan: StepPlan, router: Router) -> np.ndarray:
     return _ids(plan.nbytes, plan.route.latency_s, cap, ok.sum(axis=1), plan.rank)
 
 
-def member_classes(plans: list[StepPlan], M: int, router: Router,
-                   seed: np.ndarray | None = None) -> tuple[np.ndarray, list[StepPlan]]:
+def member_classes(plans: list[FlowStep], M: int, router: FlowRouter,
+                   seed: np.ndarray | None = None) -> tuple[np.ndarray, list[FlowStep]]:
     """``(class of each member, the distinct plans)`` by colour refinement (module docstring), from
     the colours ``seed`` (e.g. which members start first) or one colour."""
     distinct = list({(id(pl.src), id(pl.nbytes)): pl for pl in plans}.values())
@@ -121,8 +121,8 @@ def member_classes(plans: list[StepPlan], M: int, router: Router,
     return np.arange(M, dtype=np.int64), distinct      # not stable yet: one member per class (no gain)
 
 
-def reduce_plans(plans: list[StepPlan], M: int, router: Router,
-                 seed: np.ndarray | None = None) -> tuple[MemberClasses, list[StepPlan]] | None:
+def reduce_plans(plans: list[FlowStep], M: int, router: FlowRouter,
+                 seed: np.ndarray | None = None) -> tuple[MemberClasses, list[FlowStep]] | None:
     """The plans over member classes (refined from ``seed``), or ``None`` when there is too little
     symmetry to gain."""
     if not plans:
@@ -134,7 +134,7 @@ def reduce_plans(plans: list[StepPlan], M: int, router: Router,
     order = np.argsort(colour, kind="stable")
     size = np.bincount(colour, minlength=C)
     classes = MemberClasses(colour, order, np.concatenate(([0], np.cumsum(size))))
-    reduced: dict[tuple[int, int], StepPlan] = {}
+    reduced: dict[tuple[int, int], FlowStep] = {}
     for pl, sk in zip(distinct, [_static_keys(pl, router) for pl in distinct]):
         r = _reduce(pl, sk, colour, size, C)
         if r is None:
@@ -143,7 +143,7 @@ def reduce_plans(plans: list[StepPlan], M: int, router: Router,
     return classes, [reduced[(id(pl.src), id(pl.nbytes))] for pl in plans]
 
 
-def _reduce(pl: StepPlan, sk: np.ndarray, colour: np.ndarray, size: np.ndarray, C: int) -> StepPlan | None:
+def _reduce(pl: FlowStep, sk: np.ndarray, colour: np.ndarray, size: np.ndarray, C: int) -> FlowStep | None:
     fid = _ids(sk, colour[pl.src], colour[pl.dst])
     F = int(fid.max()) + 1 if len(fid) else 0
     flows = np.argsort(fid, kind="stable")

@@ -20,10 +20,10 @@ import numpy as np
 
 from partir_emu.hwmodels.des.classes import MemberClasses
 from partir_emu.hwmodels.des.lockstep import Span, plan_span
-from partir_emu.hwmodels.des.plans import Groups, StepPlan, build_plan, make_groups, step_plans
+from partir_emu.hwmodels.des.plans import FlowStep, Groups, build_plan, make_groups, step_plans
 from partir_emu.hwmodels.des.protocols import CollectiveHost, SpanNetwork
 
-__all__ = ["CollectiveRun", "Groups", "StepPlan", "build_plan", "make_groups", "step_plans"]
+__all__ = ["CollectiveRun", "Groups", "FlowStep", "build_plan", "make_groups", "step_plans"]
 
 
 _MISSES = 256               # failed span attempts in a row after which a run stops trying (.lockstep)
@@ -37,8 +37,8 @@ class CollectiveRun:
     (``M`` classes of the ``N`` members); :attr:`t_start` and :attr:`t_end` are still per member."""
 
     def __init__(self, host: CollectiveHost, ci: int, index: int, prim: str, axes: tuple[str, ...], nbytes: int,
-                 algorithm: str, groups: Groups, plans: list[StepPlan],
-                 reduced: tuple[MemberClasses, list[StepPlan]] | None = None) -> None:
+                 algorithm: str, groups: Groups, plans: list[FlowStep],
+                 reduced: tuple[MemberClasses, list[FlowStep]] | None = None) -> None:
         self.host = host
         self.ci = ci                      # position among the program's communicating collectives
         self.index = index                # equation index
@@ -160,7 +160,7 @@ class CollectiveRun:
         else:
             self._left[s] = left
 
-    def index_of(self, plan: StepPlan, members: np.ndarray) -> np.ndarray | None:
+    def index_of(self, plan: FlowStep, members: np.ndarray) -> np.ndarray | None:
         """The flows (entries) of ``plan`` that ``members`` send; ``None``: all of them."""
         if members.size == self.M:
             return None
@@ -172,7 +172,7 @@ class CollectiveRun:
             return idx
         return plan.out_flows(members)
 
-    def _send(self, plan: StepPlan, s: int, members: np.ndarray, t: float) -> None:
+    def _send(self, plan: FlowStep, s: int, members: np.ndarray, t: float) -> None:
         idx = self.index_of(plan, members)
         if idx is not None and not idx.size:
             return
@@ -191,7 +191,7 @@ class CollectiveRun:
                 self.post(plan, s, sel, plan.nbytes[sel])
             ev.callbacks.append(post)
 
-    def post(self, plan: StepPlan, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
+    def post(self, plan: FlowStep, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
         """Send flows ``idx`` (all: ``None``) of step ``s`` now, ``nbytes`` each; deliveries go to :meth:`_delivered`."""
         def cb(ids: np.ndarray | None, when: float, flows: bool = False, s: int = s,
                over: bool = plan.classes is not None) -> None:

@@ -22,12 +22,12 @@ from typing import NamedTuple
 import numpy as np
 
 from partir_emu.hwmodels.des.network.rates import SAME_INSTANT
-from partir_emu.hwmodels.des.plans import StepPlan
+from partir_emu.hwmodels.des.plans import FlowStep
 from partir_emu.hwmodels.des.protocols import SpanNetwork, SpanRun
 
 
 class SpanStep(NamedTuple):
-    plan: StepPlan
+    plan: FlowStep
     idx: np.ndarray | None       # the members' flows (entries) of the step, None = all
     nbytes: np.ndarray           # bytes per entry
     rate: np.ndarray             # per entry, alone
@@ -107,7 +107,7 @@ class Span:
         net.call_later(max(st.t2 - now, 0.0), enter)
 
 
-def closed(plan: StepPlan, inside: np.ndarray) -> bool:
+def closed(plan: FlowStep, inside: np.ndarray) -> bool:
     """Every flow of ``plan`` that touches ``inside`` (bool per member) starts and ends in it."""
     return not (inside[plan.src] != inside[plan.dst]).any()
 
@@ -117,7 +117,7 @@ class _Plan(NamedTuple):
     (step, flows, bytes, rates alone, contention row, time to complete, latency), the distinct links
     of its steps and the first of its steps that uses each."""
 
-    steps: list[tuple[StepPlan, np.ndarray | None, np.ndarray, np.ndarray, tuple[int, int, int], float, float]]
+    steps: list[tuple[FlowStep, np.ndarray | None, np.ndarray, np.ndarray, tuple[int, int, int], float, float]]
     links: np.ndarray
     first: np.ndarray
 
@@ -128,7 +128,7 @@ MAX_STEPS = 256              # steps one span prices ahead (then the next span s
 MAX_LINKS = 1 << 18          # link entries one span holds (a 4096-member ring step alone has 4096)
 
 
-def _alone_together(run: SpanRun, net: SpanNetwork, plan: StepPlan, members: np.ndarray, mb: bytes) -> bool:
+def _alone_together(run: SpanRun, net: SpanNetwork, plan: FlowStep, members: np.ndarray, mb: bytes) -> bool:
     """``members`` all have flows in ``plan``'s step and talk only among themselves (cached per step
     shape and members: a ring's classes ask this at every step)."""
     key = (id(plan.src), mb)

@@ -36,10 +36,10 @@ import simpy
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des.classes import MemberClasses, class_ids, reduce_plans
-from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, StepPlan, make_groups, step_plans
+from partir_emu.hwmodels.des.collective import CollectiveRun, FlowStep, Groups, make_groups, step_plans
 from partir_emu.hwmodels.des.device import Devices
 from partir_emu.hwmodels.des.network.chunked import ChunkNetwork
-from partir_emu.hwmodels.des.network.routing import DesError, Router, SymmetryBroken, link_factors
+from partir_emu.hwmodels.des.network.routing import DesError, FlowRouter, SymmetryBroken, link_factors
 from partir_emu.hwmodels.des.network.spans import FlowNetwork
 from partir_emu.hwmodels.des.protocols import Network
 from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow, Progress
@@ -132,7 +132,7 @@ class Simulation:
             raise DesError(f"straggler device {bad[0]} is not in {spmd.mesh} (devices 0..{n - 1})")
         topo = placement.topology
         factors = link_factors(topo, options.degraded_links, options.failed_links)
-        self.router = Router(topo, factors)
+        self.router = FlowRouter(topo, factors)
         self.comm_model = CommModel(placement, algorithms, analyzer.prices, factors)   # faults: same choice
         # the device runs the times and (with overlap) the order the analytical model's scheduler fixed
         # (as a chip runs its compiler's schedule), priced with the same collective costs; loops are
@@ -151,9 +151,9 @@ class Simulation:
         self._groups: dict[tuple[str, ...], Groups] = {}
         # step plans per distinct collective (prim, axes, nbytes, dtype, perm): its schedule is fixed by the
         # placement and algorithms of this simulation, so repeats of a collective share their plans
-        self._plans: dict[tuple[str, tuple[str, ...], int, str, tuple | None], list[StepPlan]] = {}
+        self._plans: dict[tuple[str, tuple[str, ...], int, str, tuple | None], list[FlowStep]] = {}
         # the same over member classes (None: too little symmetry), for collectives every device opens at once
-        self._reduced: dict[tuple, tuple[MemberClasses, list[StepPlan]] | None] = {}
+        self._reduced: dict[tuple, tuple[MemberClasses, list[FlowStep]] | None] = {}
         # flow classes need the flow network, no trace recorder (it follows single flows) and the option
         self.use_classes = options.aggregate and options.network == "flow" and not options.trace
         self.wall_s = 0.0

@@ -1,6 +1,6 @@
 """Step plans: the flows of each step of a collective's schedule run by every group at once.
 
-A :class:`StepPlan` is one step over all ``G`` groups of ``p`` members (member ``g * p + position``):
+A :class:`FlowStep` is one step over all ``G`` groups of ``p`` members (member ``g * p + position``):
 its flows (one per message per group), their routes and what each member sends and receives.
 :func:`step_plans` builds them from the schedule's transfer table, one plan per distinct step shape
 (the steps of a ring share their routes and differ only in bytes); :mod:`.classes` rewrites them
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from partir_emu.collectives.schedule import CollectiveSchedule
-from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern, Router
+from partir_emu.hwmodels.des.network.routing import FlowClasses, FlowRouter, RoutePattern
 from partir_emu.hwmodels.machine.placement import Placement
 
 
@@ -53,7 +53,7 @@ _WHOLE_TABLE = 1 << 22      # transfers up to which step_plans reads the table's
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class FlowStep:
     """Step ``s`` of a schedule over all groups: its flows (one per message per group)."""
 
     src: np.ndarray              # member id of each flow's sender
@@ -80,7 +80,7 @@ class StepPlan:
         return np.sort(self.by_src[np.arange(n.sum()) + starts])
 
 
-def step_plans(sched: CollectiveSchedule, groups: Groups, router: Router, aggregate: bool = True) -> list[StepPlan]:
+def step_plans(sched: CollectiveSchedule, groups: Groups, router: FlowRouter, aggregate: bool = True) -> list[FlowStep]:
     """The flows of every step of ``sched`` run by every group.
 
     ``aggregate``: read the schedule's transfer table and build one plan per distinct step *shape*
@@ -103,7 +103,7 @@ def step_plans(sched: CollectiveSchedule, groups: Groups, router: Router, aggreg
     # 33 M transfers: the table's whole nbytes column would be a 270 MB temporary)
     nb_all = tab.nbytes if len(tab) <= _WHOLE_TABLE else None
     prefix = np.concatenate(([0], np.cumsum(np.asarray(sched.chunk_bytes, dtype=np.int64))))
-    shapes: dict[bytes, tuple[StepPlan, np.ndarray]] = {}
+    shapes: dict[bytes, tuple[FlowStep, np.ndarray]] = {}
     sizes: dict[bytes, np.ndarray] = {}
     out = []
     for s in range(tab.num_steps):
@@ -136,7 +136,7 @@ def step_plans(sched: CollectiveSchedule, groups: Groups, router: Router, aggreg
 
 
 def build_plan(ms: np.ndarray, md: np.ndarray, mb: np.ndarray, G: int, p: int, chips: np.ndarray,
-               router: Router) -> StepPlan:
+               router: FlowRouter) -> FlowStep:
     """One step: messages ``ms[k] -> md[k]`` of ``mb[k]`` bytes (positions in a group of ``p``), run by
     each of ``G`` groups; member ``g*p + pos`` sits on chip ``chips[g*p + pos]``."""
     M = G * p
@@ -156,6 +156,6 @@ def build_plan(ms: np.ndarray, md: np.ndarray, mb: np.ndarray, G: int, p: int, c
     src_ptr = np.concatenate(([0], np.cumsum(np.bincount(src, minlength=M))))
     g0 = route.links[:K].ravel()
     group_max = int(np.bincount(g0[g0 >= 0]).max()) if (g0 >= 0).any() else 0
-    return StepPlan(src, dst, np.tile(mb, G), np.tile(rk, G), route, count0, by_src, src_ptr, group_max)
+    return FlowStep(src, dst, np.tile(mb, G), np.tile(rk, G), route, count0, by_src, src_ptr, group_max)
 
 

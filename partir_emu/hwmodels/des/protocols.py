@@ -21,7 +21,7 @@ import simpy
 
 from partir_emu.hwmodels.des.classes import MemberClasses
 from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern
-from partir_emu.hwmodels.des.plans import StepPlan
+from partir_emu.hwmodels.des.plans import FlowStep
 
 Delivered = Callable[[np.ndarray | None, float], None]
 """``on_delivered(flow ids, or None for all flows of the send, time)``."""
@@ -103,7 +103,7 @@ class SpanRun(ContentionSink, Protocol):
     classes: MemberClasses | None
 
     @property
-    def plans(self) -> Sequence[StepPlan]: ...
+    def plans(self) -> Sequence[FlowStep]: ...
     live_spans: set[Any]
 
     def enter(self, members: np.ndarray, s: int, t: float) -> None:
@@ -112,10 +112,10 @@ class SpanRun(ContentionSink, Protocol):
     def leave(self, s: int, n: int) -> None:
         """``n`` units left step ``s``."""
 
-    def index_of(self, plan: StepPlan, members: np.ndarray) -> np.ndarray | None:
+    def index_of(self, plan: FlowStep, members: np.ndarray) -> np.ndarray | None:
         """The flows of ``plan`` that ``members`` send (None: all)."""
 
-    def post(self, plan: StepPlan, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
+    def post(self, plan: FlowStep, s: int, idx: np.ndarray | None, nbytes: np.ndarray) -> None:
         """Post step ``s``'s flows ``idx`` with ``nbytes`` left to send."""
 
 

@@ -156,7 +156,7 @@ class OverlapPlan:
         return self._waits
 
 
-def overlap_memory(plan: OverlapPlan, program: Program, profile: MemoryProfile, sched: Schedule
+def overlap_memory(plan: OverlapPlan, program: Program, profile: MemoryProfile, sched: OverlapSchedule
                    ) -> MemoryProfile:
     """The peak memory of ``sched`` (``profile``: the program-order one, loop points holding the body
     profiles of their own schedules): the prefetch buffers count from the equation running when their
@@ -288,7 +288,7 @@ def _fsdp_unit_bytes(pf: list[int], names: dict[int, str], out_bytes: np.ndarray
 
 
 @dataclass(frozen=True)
-class Schedule:
+class OverlapSchedule:
     """One overlapped step: times per collective (program order) and the decisions the DES replays."""
 
     step_s: float
@@ -302,7 +302,7 @@ class Schedule:
 
 
 def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = None, comm_streams: int = 1,
-             contention: Contention | None = None, keys: Sequence[int] | None = None) -> Schedule:
+             contention: Contention | None = None, keys: Sequence[int] | None = None) -> OverlapSchedule:
     """The list schedule of the module docstring on per-equation ``times`` (collectives' entries are
     their standalone durations; compute entries may be 0, e.g. inside a fused group).
 
@@ -336,5 +336,5 @@ def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = 
     # compute finish of equation i: P[i+1] + the stall of the last wait at or before i that grew it
     bounds = np.concatenate(([0], walk.event_pos[[k for k, _ in stalls]], [plan.num_eqns]))
     stall = np.repeat([0.0] + [d for _, d in stalls], np.diff(bounds))
-    return Schedule(end if end > last else last, start, finish, order, walk.ready, P[1:] + stall, stream,
+    return OverlapSchedule(end if end > last else last, start, finish, order, walk.ready, P[1:] + stall, stream,
                     int(comm_streams))

@@ -33,7 +33,7 @@ from partir_emu.core.msgtrace import check_header
 from partir_emu.errors import ArtifactError, CollectiveError
 from partir_emu.hwmodels.des.collective import CollectiveRun, Groups, build_plan
 from partir_emu.hwmodels.des.model import DesOptions
-from partir_emu.hwmodels.des.network.routing import Router, link_factors
+from partir_emu.hwmodels.des.network.routing import FlowRouter, link_factors
 from partir_emu.hwmodels.des.network.spans import FlowNetwork
 from partir_emu.hwmodels.machine.placement import Placement, place
 from partir_emu.hwmodels.machine.specs import HardwareSpec, load_spec
@@ -242,7 +242,7 @@ def replay(head: Mapping[str, Any], rows: np.ndarray, spec: HardwareSpec | str,
     check = check_trace(head, rows)
     env = simpy.Environment()
     factors = link_factors(placement.topology, options.degraded_links, options.failed_links)
-    router = Router(placement.topology, factors)
+    router = FlowRouter(placement.topology, factors)
     network = FlowNetwork(env, router)
     sim = _Replay(env, network, options, n)
     chips = np.array([placement.chip_of(d) for d in range(n)], dtype=np.int64)

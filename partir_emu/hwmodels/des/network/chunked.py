@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern, Router
+from partir_emu.hwmodels.des.network.routing import FlowClasses, FlowRouter, RoutePattern
 from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
 
 
@@ -41,7 +41,7 @@ class ChunkNetwork:
 
     kind = "chunk"
 
-    def __init__(self, env: simpy.Environment, router: Router, chunk_bytes: int = 1 << 20,
+    def __init__(self, env: simpy.Environment, router: FlowRouter, chunk_bytes: int = 1 << 20,
                  recorder: Any = None) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive number of bytes")

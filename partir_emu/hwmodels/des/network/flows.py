@@ -44,7 +44,7 @@ from partir_emu.hwmodels.des.network.rates import (
     flow_matrix,
     solve,
 )
-from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern, Router, SymmetryBroken
+from partir_emu.hwmodels.des.network.routing import FlowClasses, FlowRouter, RoutePattern, SymmetryBroken
 from partir_emu.hwmodels.des.protocols import ContentionSink, Delivered
 
 __all__ = ["Batch", "FluidNetwork"]
@@ -80,7 +80,7 @@ class FluidNetwork:
 
     kind = "flow"
 
-    def __init__(self, env: simpy.Environment, router: Router, recorder: Any = None,
+    def __init__(self, env: simpy.Environment, router: FlowRouter, recorder: Any = None,
                  resolution_s: float = 1e-9, eager: bool = False) -> None:
         self.env = env
         # eager: after a delivery or completion callback, settle the rates at once when no other event

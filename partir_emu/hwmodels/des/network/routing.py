@@ -2,7 +2,7 @@
 
 :class:`RoutePattern` is a batch of routes (one per flow) as a padded ``[flows, hops]`` matrix of
 link ids (``-1`` = padding), the form the flow network's max-min solver works on. A
-:class:`Router` here is the hardware models' router (degraded and failed links,
+:class:`FlowRouter` here is the hardware models' router (degraded and failed links,
 :mod:`partir_emu.hwmodels.machine.links`) that also builds patterns, cached by their chip pairs, so the route
 of a step that repeats (every step of a ring) is built once.
 """
@@ -19,7 +19,7 @@ from partir_emu.hwmodels.machine import links as _links
 from partir_emu.hwmodels.machine.links import LinkSpecError, link_factors, parse_links
 from partir_emu.hwmodels.machine.topology import Topology
 
-__all__ = ["DesError", "FlowClasses", "LinkSpecError", "RoutePattern", "Router", "SymmetryBroken", "link_factors",
+__all__ = ["DesError", "FlowClasses", "LinkSpecError", "RoutePattern", "FlowRouter", "SymmetryBroken", "link_factors",
            "parse_links"]
 
 
@@ -73,7 +73,7 @@ class FlowClasses:
         return self.flows[np.arange(total) + offs], mult
 
 
-class Router(_links.Router):
+class FlowRouter(_links.Router):
     """The shared router (:class:`partir_emu.hwmodels.machine.links.Router`) that also builds route patterns."""
 
     def __init__(self, topology: Topology, link_factors: Mapping[int, float] | None = None) -> None:

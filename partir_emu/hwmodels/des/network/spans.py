@@ -16,7 +16,7 @@ import simpy
 
 from partir_emu.hwmodels.des.network.flows import FluidNetwork
 from partir_emu.hwmodels.des.network.rates import Solution, entry_links, solve
-from partir_emu.hwmodels.des.network.routing import FlowClasses, RoutePattern, Router
+from partir_emu.hwmodels.des.network.routing import FlowClasses, FlowRouter, RoutePattern
 
 _CACHE_MAX = 1 << 15        # batches whose links are kept
 
@@ -96,7 +96,7 @@ class FlowNetwork(FluidNetwork):
     """The fluid network with lock-step spans (:class:`~partir_emu.hwmodels.des.protocols.SpanNetwork`):
     a span holds links (:class:`SpanLedger`), a send that needs one of them breaks it first."""
 
-    def __init__(self, env: simpy.Environment, router: Router, recorder: Any = None,
+    def __init__(self, env: simpy.Environment, router: FlowRouter, recorder: Any = None,
                  resolution_s: float = 1e-9, eager: bool = False) -> None:
         super().__init__(env, router, recorder, resolution_s, eager)
         self.spans = self.eager                          # spans need the eager settling
