@@ -50,7 +50,8 @@ def test_the_two_kernels_agree_to_rounding():
     inputs = exp.inputs()
     blas = eval_program(exp.program, inputs)
     exact = eval_program(exp.program, inputs, kernels="exact")
-    assert any(a.tobytes() != b.tobytes() for a, b in zip(blas, exact))      # another order
+    # (whether they differ at all depends on the CPU: OpenBLAS's Prescott kernel sums in the exact
+    # kernel's order, the AVX2/AVX-512 ones do not; either way they agree to rounding)
     for a, b in zip(blas, exact):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 

@@ -57,8 +57,8 @@ def check_output_target(path: str, flag: str) -> None:
     real = os.path.realpath(path)
     try:
         mode = os.stat(real).st_mode
-    except FileNotFoundError:
-        return
+    except (FileNotFoundError, NotADirectoryError):
+        return                  # not there yet (or a parent is no directory: the command's own check says so)
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot be checked ({exc.strerror}); choose another path") from None
     if stat.S_ISREG(mode):

@@ -34,6 +34,17 @@ def reference(scenario: str, overrides: str | None = None) -> tuple[np.ndarray, 
     return tuple(Experiment(scenario, "bp", Mesh(batch=1), None, overrides).reference())
 
 
+@functools.cache
+def verdict_references(scenario: str, overrides: str | None = None) -> tuple:
+    """The seed-0 inputs of a scenario and the verdict's references for them (jax.jit, float64, other
+    summation orders): what ``partir-emu run`` judges by, on any BLAS kernel (issue 20)."""
+    from partir_emu.app.experiment import Experiment
+    from partir_emu.core.mesh import Mesh
+    exp = Experiment(scenario, "bp", Mesh(batch=1), None, overrides)
+    inputs = exp.inputs()
+    return inputs, exp.references(inputs)
+
+
 def run_worker(worker: Path, ranks: int, k: int, placement: str, timeout_s: int, *extra: str) -> dict:
     """``mpiexec -n ranks python worker --k k --placement placement`` with MPICH's own timeout below
     ours; the JSON line rank 0 printed last (a failed launch fails the test with its output)."""

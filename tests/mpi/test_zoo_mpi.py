@@ -22,9 +22,8 @@ import tempfile
 
 import pytest
 
-from partir_emu.core.mesh import Mesh
 from scenarios import get_scenario
-from tests.mpi.conftest import bit_equal, lowered
+from tests.mpi.conftest import bit_equal, lowered, verdict_references
 
 LAUNCH_TIMEOUT = 300
 CONFIGS = {"4dev-1perrank": (4, 1), "4dev-4perrank": (1, 4)}
@@ -69,12 +68,8 @@ def _launch(scenario: str, overrides: str | None, config: str) -> dict:
     return dict(zip(mine, launch(jobs, ranks, timeout_s=LAUNCH_TIMEOUT, workdir=tmp)))
 
 
-@functools.cache
 def _references(scenario: str, overrides: str | None) -> tuple:
-    from partir_emu.app.experiment import Experiment
-    exp = Experiment(scenario, "bp", Mesh(batch=1), None, overrides)
-    inputs = exp.inputs()
-    return inputs, exp.references(inputs)
+    return verdict_references(scenario, overrides)
 
 
 @functools.cache
