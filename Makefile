@@ -28,9 +28,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider
 
-# the quick tier: no MPI launches, no XLA child processes, no many-seed sweeps, nothing slow (< 3 min)
+# the quick tier: tests/unit and tests/integration (docs/tests.md) without the many-seed sweeps and
+# the slow tests; no MPI launches, no XLA child processes (< 3 min)
 test-fast: setup
-	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider -m "not mpi and not xla and not sweep and not slow"
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider -m "not mpi and not xla and not sweep and not slow" \
+		tests/unit tests/integration
 
 lint: setup
 	$(VENV)/bin/ruff check partir_emu scenarios tests benchmarks examples

@@ -14,7 +14,7 @@ For each form (``layers_as=loop`` and ``layers_as=unrolled``) of ``transformer -
   same function: a scan is one ``while`` for jax too).
 
 The ratios (unrolled / loop) are printed per column. The SpmdPrograms execute the same
-collectives per step (asserted here, and in tests/test_loop_partition.py).
+collectives per step (asserted here, and in tests/integration/test_loop_partition.py).
 """
 from __future__ import annotations
 

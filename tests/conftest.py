@@ -5,6 +5,7 @@ import functools
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +31,27 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ.setdefault(PROGRAMS_ENV, os.path.join(path, "programs"))      # lowered(): one program cache
     config._partir_emu_jax_cache = path           # type: ignore[attr-defined]
+
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "xla", "mpi")     # the tier folders of tests/ (docs/tests.md); each is a marker
+
+
+def tier(path: Path) -> str | None:
+    """The tier folder a test file lives in (``tests/<tier>/...``), None outside them."""
+    try:
+        first = Path(path).resolve().relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return first if first in TIERS else None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each test gets the marker of its tier folder, as it is collected (before ``-m`` selects: ``-m unit``,
+    ``-m "not xla"``); a mark it has already is kept."""
+    name = tier(item.path)
+    if name and item.get_closest_marker(name) is None:
+        item.add_marker(getattr(pytest.mark, name))
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,5 +1,5 @@
 """Hand-built programs with ``loop`` equations (:mod:`partir_emu.core.loops`), for the runtime
-tests (tests/test_loops_runtime.py) and the MPI tier (tests/mpi/test_loops_mpi.py).
+tests (tests/unit/test_loops_runtime.py) and the MPI tier (tests/mpi/test_loops_mpi.py).
 
 Global programs (one device) and SpmdPrograms whose loop bodies hold collectives: all_gather,
 all_reduce, collective_permute, axis_index; reversed, nested, zero-length loops, a literal carry

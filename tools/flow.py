@@ -5,7 +5,7 @@
 
 Every Python call whose caller and callee are both partir_emu (or scenarios) functions is recorded
 (``sys.setprofile``), and each *distinct* caller-module → callee-module edge is classified by the
-layers of :mod:`tests.test_architecture` (core 0; primitives, collectives 1; compiler, runtime,
+layers of :mod:`tests.unit.test_architecture` (core 0; primitives, collectives 1; compiler, runtime,
 hwmodels 2; mpi 3; app, api, interop, scenarios 4):
 
 - **stay**: within one module's package (``hwmodels.network.comm`` → ``hwmodels.network.contention``);

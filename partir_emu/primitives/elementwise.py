@@ -10,7 +10,7 @@ bfloat16 / float16: each op is computed in float32 and rounded to the narrow typ
 ufuncs do that, as XLA CPU does); ``integer_pow`` multiplies as jax lowers it (square and
 multiply, each product rounded) and ``rsqrt`` rounds once. ``convert_element_type`` to bfloat16
 rounds to nearest even (ml_dtypes' cast). With these, single bfloat16 ops equal jax.jit on CPU
-bit for bit (tests/test_bf16_runtime.py); ``erf``/``erfc`` computed in float64 and rounded once
+bit for bit (tests/integration/test_bf16_runtime.py); ``erf``/``erfc`` computed in float64 and rounded once
 agree as well on the values tested. Chains can still differ by a bfloat16 ulp where XLA keeps a
 fused intermediate in float32 without rounding it (seen: the argument of ``erfc`` in exact GELU).
 

@@ -29,7 +29,7 @@ mesh axis except ``model``.
   at the attention einsum and the cache is all-gathered there. In one tactic every seed claims
   its neighbourhood before propagation runs on, which is the intended layout. The tactic says so
   (``meet="reshard"``): the compiler records those meetings as intended conflicts, reshards there
-  and does not warn; which seed wins follows the pattern order (``tests/test_inference.py`` pins
+  and does not warn; which seed wins follows the pattern order (``tests/integration/test_inference.py`` pins
   all three outcomes).
 """
 from __future__ import annotations

@@ -20,8 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
     for item in items:
-        if Path(str(item.fspath)).parent == here:
-            item.add_marker(pytest.mark.mpi)
+        if Path(str(item.fspath)).parent == here:      # the ``mpi`` marker: tests/conftest.py, by folder
             if not MPIEXEC.exists():
                 item.add_marker(pytest.mark.skip(reason=f"no mpiexec at {MPIEXEC}; pip install mpich mpi4py"))
 

@@ -1,4 +1,4 @@
-"""bfloat16 over real MPI: the mixed-precision MLP step of tests/test_bf16_runtime.py and the
+"""bfloat16 over real MPI: the mixed-precision MLP step of tests/integration/test_bf16_runtime.py and the
 transformer with ``precision=bf16`` (bf16 all_reduce, all_gather and reduce_scatter) on 4 devices
 with 1 and 4 devices per rank, ring and native, equal LocalMesh bit for bit (ring: LocalMesh
 'ring'; native: bfloat16 has no MPI datatype, so its reductions are gathered and summed in group
@@ -14,8 +14,8 @@ import tempfile
 
 import pytest
 
+from tests.integration.test_bf16_runtime import CASES, lowered_mlp
 from tests.mpi.conftest import bit_equal, lowered
-from tests.test_bf16_runtime import CASES, lowered_mlp
 
 LAUNCH_TIMEOUT = 150
 CONFIGS = {"4dev-1perrank": (4, 1), "4dev-4perrank": (1, 4)}

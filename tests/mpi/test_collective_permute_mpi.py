@@ -19,7 +19,7 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace
 from partir_emu.hwmodels.validation.replay import replay
 from partir_emu.runtime.local_mesh import LocalMesh
-from tests.test_collective_permute import permute_program
+from tests.unit.test_collective_permute import permute_program
 
 WORKER = Path(__file__).with_name("_permute_worker.py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

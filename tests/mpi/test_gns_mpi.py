@@ -2,7 +2,7 @@
 (``mpiexec -n 4``) and four (``-n 1``): bit-identical to the in-process LocalMesh, within float32
 rounding of jax.jit, and the message trace of ``edge`` replays on the DES.
 
-One launch per layout, each with a hard timeout; the programs are lowered here (``tests/test_gns.py``)
+One launch per layout, each with a hard timeout; the programs are lowered here (``tests/integration/test_gns.py``)
 and run by the ranks' worker (which never imports jax).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from partir_emu.hwmodels.validation.replay import replay
 from partir_emu.mpi.jobs import save_inputs
 from partir_emu.mpi.launch import MpiRun
 from partir_emu.runtime.local_mesh import LocalMesh
+from tests.integration.test_gns import _case, _lowered
 from tests.mpi.conftest import MPIEXEC, bit_equal
-from tests.test_gns import _case, _lowered
 
 CASES = [("edge", "batch=4"), ("node", "batch=4"), ("bp", "batch=4")]
 

@@ -19,9 +19,9 @@ from partir_emu import ManualPartition, Mesh
 from partir_emu.core.msgtrace import read_message_trace
 from partir_emu.hwmodels.validation.replay import replay
 from partir_emu.runtime.local_mesh import LocalMesh
+from tests.integration.test_halo import _ARGS, _step
 from tests.mpi.conftest import MPIEXEC
 from tests.mpi.test_collective_permute_mpi import _launch
-from tests.test_halo import _ARGS, _step
 
 
 def _max_pool(x):

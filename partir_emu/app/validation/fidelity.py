@@ -36,7 +36,7 @@ from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 
-# the targets of issue 10 over the required cases (tests/test_fidelity.py pins them)
+# the targets of issue 10 over the required cases (tests/integration/test_fidelity.py pins them)
 MEDIAN_TARGET_PCT = 5.0
 MAX_TARGET_PCT = 12.0
 

@@ -33,7 +33,7 @@ Next-step messages whose sender enters early, and that cross the bottleneck link
 message, delay it (and are delayed) by the bytes they move on that link meanwhile (processor sharing:
 ``min(their bytes, its remaining bytes) / link bandwidth``). The price of an uneven collective is this
 path (:meth:`.contention.Fabric.price`), within 5 % of the DES on the tree across 2-64 H100 nodes up
-to 8 MiB (``tests/test_tree_across_nodes.py``).
+to 8 MiB (``tests/unit/test_tree_across_nodes.py``).
 """
 from __future__ import annotations
 

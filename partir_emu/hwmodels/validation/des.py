@@ -17,7 +17,7 @@ A :class:`Case` only *names* what was compared (scenario, strategy, hardware, me
 building the programs from scenarios, and the suites of cases, live in the app layer
 (:mod:`partir_emu.app.validation.cases`). The acceptance thresholds are :data:`MEDIAN_MAX` and
 :data:`MAX_MAX` (so that one mechanism priced 20 % wrong fails) with identical rankings; the
-mutation catalogue (``docs/validation.md``, ``tests/test_mutations.py``) checks that they can fail.
+mutation catalogue (``docs/validation.md``, ``tests/integration/test_mutations.py``) checks that they can fail.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ same way and uses ``model`` (``bp``, ``bp+mp``, ``bp+emb``, ``bp+edge``, ``bp+mq
 same cost the search uses (partir_emu.api.analytical_cost on its hardware: step time, within the
 chip's memory). The search's decisions are its own: nothing here tells it what the manual
 strategies do. Where the model axis pays (the cases marked strict) it must be strictly cheaper than
-every manual strategy; tests/test_auto.py has the t48 one."""
+every manual strategy; tests/integration/test_auto.py has the t48 one."""
 from __future__ import annotations
 
 import pytest

@@ -49,7 +49,7 @@ NORMALISED = [("mlp", "bp"), ("mlp", "bp+mp"), ("mlp", "bp+mp+z2"), ("transforme
 @pytest.fixture(scope="module")
 def xla_answers() -> dict:
     """The cases below compiled by XLA on 4 fake CPU devices, in one child process (their numbers and
-    shardings, for every scenario x strategy, are tests/test_interop_all.py's)."""
+    shardings, for every scenario x strategy, are tests/xla/test_interop_all.py's)."""
     cases = [{"scenario": sc, "strategy": st, "mesh": MESH, "size": "tiny", "run": False} for sc, st in NORMALISED]
     return dict(zip(NORMALISED, run_child(cases, 4, timeout=300, xla_flags=FAST_COMPILE)))
 

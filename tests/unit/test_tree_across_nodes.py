@@ -19,7 +19,7 @@ from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.network.async_steps import DRIFT_S, _fair_busy, drifts
 from partir_emu.hwmodels.network.choice import TREE_ACROSS_NODES_MAX_BYTES
 from partir_emu.hwmodels.network.comm import CommModel
-from tests.test_multidim_tree_rail_algorithms import one_all_reduce
+from tests.unit.test_multidim_tree_rail_algorithms import one_all_reduce
 
 REL = 1e-9
 KIB, MIB = 1 << 10, 1 << 20

@@ -25,7 +25,7 @@ from partir_emu.hwmodels import peak_memory, simulate
 from partir_emu.hwmodels.analytical import Analyzer, compute_times
 from partir_emu.hwmodels.des import simulate_des
 from tests.loop_programs import MM, SPMD_PROGRAMS, Build
-from tests.test_hw_analytical import unfused
+from tests.unit.test_hw_analytical import unfused
 
 pytestmark = pytest.mark.xdist_group("hw_loops")    # its cached programs and references: made once, on one worker
 
@@ -223,7 +223,7 @@ def test_time_is_linear_in_the_length(hardware, overlap):
 def test_stacked_rows_and_reverse_against_the_unrolled_form():
     """xs rows and ys stacking: the unrolled form adds a slice + squeeze per row read and a broadcast +
     concatenate to stack the ys, which the loop (rows read in place, ys written in place) does not
-    run. Priced each alone (no fusion, the roofline of tests/test_hw_analytical.py), the loop is the
+    run. Priced each alone (no fusion, the roofline of tests/unit/test_hw_analytical.py), the loop is the
     unrolled form minus exactly those equations. Reversed, the same time, iterations n-1..0."""
     spec = unfused("h100")
     L = 4

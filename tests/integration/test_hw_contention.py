@@ -17,7 +17,7 @@ from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.machine.links import FaultError, LinkSpecError, link_factors
 from partir_emu.hwmodels.network.comm import CommModel, price_schedule
-from tests.test_des_collectives import MM, A, B, Prog, one_collective, ring_topo, torus_topo
+from tests.unit.test_des_collectives import MM, A, B, Prog, one_collective, ring_topo, torus_topo
 
 
 def test_two_groups_sharing_a_ring_each_get_half_the_bandwidth():
@@ -204,7 +204,7 @@ def test_whole_program_with_faults_matches_the_des(faults):
     """A lowered transformer step (8 chips on a 2x2x2 v4 slice) with one fault: both models take it as
     an input, and the DES replays the schedule the analytical model chose on the faulty fabric (on the
     failed link the algorithm choice differs from the healthy one)."""
-    from tests.test_des_model import lowered
+    from tests.integration.test_des_model import lowered
     spmd = lowered("transformer", "bp+mp", "batch=2,model=4")
     healthy = simulate(spmd, "tpu-v4", overlap=True)
     ana = simulate(spmd, "tpu-v4", overlap=True, **faults)

@@ -14,7 +14,7 @@ from partir_emu.hwmodels.des import DesError, DesOptions, simulate_des
 from partir_emu.hwmodels.des.model import Simulation
 from partir_emu.hwmodels.des.report import Progress
 from partir_emu.hwmodels.machine.links import FaultError
-from tests.test_des_collectives import ring_topo, torus_topo
+from tests.unit.test_des_collectives import ring_topo, torus_topo
 
 pytestmark = pytest.mark.xdist_group("des_model")    # its cached programs and references: made once, on one worker
 
@@ -80,7 +80,7 @@ def test_merge_window_keeps_the_step_time():
 
 def test_contention_is_reported_per_collective_and_link():
     """The axis-across-dims case of test_des_collectives inside a program: the report names the link."""
-    from tests.test_des_collectives import Prog
+    from tests.unit.test_des_collectives import Prog
     pl = Placement(Mesh(b=8, a=2), torus_topo((4, 4)))
     b = Prog(pl.mesh)
     x = b.input((1 << 20,))
@@ -172,7 +172,7 @@ def test_report_json_roundtrip():
 
 
 def test_busy_link_counters_are_bucketed():
-    from partir_emu.hwmodels.des.trace_export import _bucket_means
+    from partir_emu.hwmodels.des.report import _bucket_means
     means = _bucket_means([(0.0, 1.0), (1.0, 0.0), (1.5, 0.5)], np.array([0.0, 0.5, 1.0, 2.0]))
     np.testing.assert_allclose(means, [1.0, 1.0, 0.25])           # (0.5·0 + 0.5·0.5) / 1
     spmd = lowered("transformer", "bp+mp", "batch=2,model=4")

@@ -25,7 +25,7 @@ from partir_emu.app.cli import main as cli
 from partir_emu.app.common import experiment_from_args
 from tests.conftest import wall
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGS = ("python", "sh", "text")
 

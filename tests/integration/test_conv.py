@@ -2,7 +2,7 @@
 ``select_and_scatter_add``. Each impl is checked against jax.jit over a parameter sweep (and the
 exact convs jax.grad emits); a small CNN train step and a Flax CNN partition with batch, kernel
 output-feature and ZeRO-3 shardings on the LocalMesh and equal jax.jit to float32 rounding; a
-tactic that tiles a spatial dim (a halo exchange, see tests/test_halo.py) gives the right result."""
+tactic that tiles a spatial dim (a halo exchange, see tests/integration/test_halo.py) gives the right result."""
 from __future__ import annotations
 
 import jax
@@ -158,7 +158,7 @@ def test_cnn_train_step_partitions_and_matches_jax(strategy):
         assert sum(e.prim == "all_reduce" for e in low.spmd.collectives()) >= 3
     if strategy == "mp":     # the kernels' output features are tiled on the devices
         assert any(e.inputs[1].shape[3] == 4 for e in convs)
-    if strategy == "spatial":   # H tiled with a halo (tests/test_halo.py): 4 own rows + one from each neighbour
+    if strategy == "spatial":   # H tiled with a halo (tests/integration/test_halo.py): 4 own rows + one from each neighbour
         assert any(e.prim == "collective_permute" for e in low.spmd.collectives())
         assert convs[0].inputs[0].shape == (8, 6, 8, 3)
     rep = simulate(low.spmd, load_spec("tpu-v4"))

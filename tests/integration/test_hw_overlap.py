@@ -18,7 +18,7 @@ from partir_emu.hwmodels import load_spec, simulate
 from partir_emu.hwmodels.analytical import Analyzer, compute_times
 from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.timeline.overlap import schedule
-from tests.test_hw_analytical import Builder
+from tests.unit.test_hw_analytical import Builder
 
 pytestmark = pytest.mark.xdist_group("hw_overlap")    # its cached programs and references: made once, on one worker
 
@@ -216,7 +216,7 @@ def test_z3_prefetch_budget_and_gradient_overlap():
 @pytest.mark.parametrize("prefetch", [None, 0])
 def test_des_runs_the_same_overlapped_schedule(hardware, strategy, mesh, prefetch):
     """Nothing contends (one communication stream): the DES replays the analytical decisions and
-    agrees to 1e-9, as on non-overlapped steps (tests/test_des_model.py)."""
+    agrees to 1e-9, as on non-overlapped steps (tests/integration/test_des_model.py)."""
     spmd = _z3(strategy, mesh)
     ana = simulate(spmd, hardware, overlap=True, prefetch_bytes=prefetch)
     des = simulate_des(spmd, hardware, overlap=True, prefetch_bytes=prefetch)

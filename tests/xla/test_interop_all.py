@@ -186,7 +186,7 @@ def test_bf16_is_judged_normwise(case):
                          ids=_id)
 def test_exported_specs_round_trip_through_from_partition_specs(case):
     """specs -> ``from_partition_specs`` schedule -> lowered -> the same in and out specs, on the
-    3-axis mesh for what tests/test_interop.py does not reach: loops and embedding sharding."""
+    3-axis mesh for what tests/xla/test_interop.py does not reach: loops and embedding sharding."""
     sc, st, mesh, ov = case
     exp = Experiment(sc, st, Mesh.parse(mesh), None, ov)
     ins, outs = partition_specs(exp.lower())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("partir_emu", "scenarios")
 
 # Which partir_emu packages each layer may import (besides itself). ``app`` and the top-level

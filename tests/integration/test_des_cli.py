@@ -6,7 +6,7 @@ import json
 import pytest
 
 from partir_emu.app.cli.main import main
-from tests.test_des_model import _check_chrome_trace
+from tests.integration.test_des_model import _check_chrome_trace
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from partir_emu.errors import UsageError
 
 pytestmark = pytest.mark.xdist_group("outputs")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIM = ["simulate", "mlp", "--size", "tiny", "--strategy", "bp", "--mesh", "batch=2", "--quiet"]
 
 

@@ -15,8 +15,8 @@ from partir_emu.hwmodels.des import classes as classes_mod
 from partir_emu.hwmodels.des import report as progress_mod
 from partir_emu.hwmodels.des.model import Simulation
 from partir_emu.hwmodels.des.report import Progress
-from tests.test_des_collectives import one_collective, ring_topo
-from tests.test_des_model import lowered
+from tests.integration.test_des_model import lowered
+from tests.unit.test_des_collectives import one_collective, ring_topo
 
 
 def _same(spmd, spec, placement=None, algorithms=None, overlap=False, **kw):
@@ -173,7 +173,7 @@ def test_flows_due_within_the_resolution_finish_at_the_latest_and_due_flows_are_
 
     from partir_emu.hwmodels.des.network.routing import FlowRouter
     from partir_emu.hwmodels.des.network.spans import FlowNetwork
-    from tests.test_des_collectives import A, B
+    from tests.unit.test_des_collectives import A, B
 
     env = simpy.Environment()
     net = FlowNetwork(env, FlowRouter(ring_topo(4)), eager=eager)

@@ -20,8 +20,8 @@ from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des import DesOptions, lockstep
 from partir_emu.hwmodels.des.model import Simulation
 from partir_emu.hwmodels.des.network import spans as network_mod
-from tests.test_des_collectives import one_collective, ring_topo
-from tests.test_des_scale import _same
+from tests.integration.test_des_scale import _same
+from tests.unit.test_des_collectives import one_collective, ring_topo
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from partir_emu.hwmodels.network.comm import CommModel
 from partir_emu.hwmodels.network.concurrency import Contention, link_use
 from partir_emu.hwmodels.timeline.issue import issue_one_stream, issue_streams, round_robin, stream_prereqs
 from partir_emu.hwmodels.timeline.overlap import schedule
-from tests.test_hw_analytical import Builder
+from tests.unit.test_hw_analytical import Builder
 
 pytestmark = pytest.mark.xdist_group("hw_streams")    # its cached programs and references: made once, on one worker
 

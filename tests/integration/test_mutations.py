@@ -32,7 +32,7 @@ from partir_emu.hwmodels.network import choice as algorithm_choice
 from partir_emu.hwmodels.network import comm, contention, messages
 from partir_emu.hwmodels.validation.des import Case
 from partir_emu.hwmodels.validation.report import ValidationReport
-from tests import (
+from tests.unit import (
     test_collectives_schedule,
     test_des_collectives,
     test_hw_collectives,

@@ -1,5 +1,5 @@
 """AutomaticPartition on a Flax linen decoder LM nobody here wrote (the blocks of
-tests/test_third_party_models.py: causal self-attention, dropout, LayerNorm, ``nn.remat``; optax
+tests/integration/test_third_party_models.py: causal self-attention, dropout, LayerNorm, ``nn.remat``; optax
 clipping + AdamW), as a user would call it: ``bp + AutomaticPartition("model")``.
 
 - At a size where model parallelism pays (d_model 512, seq 256; traced abstractly, priced on
@@ -25,7 +25,7 @@ optax = pytest.importorskip("optax")
 
 import partir_emu as pe  # noqa: E402
 from partir_emu.api import analytical_cost, lower_program  # noqa: E402
-from tests.test_third_party_models import _FLAX_MP, _Block, _check, _flax_case  # noqa: E402
+from tests.integration.test_third_party_models import _FLAX_MP, _Block, _check, _flax_case  # noqa: E402
 
 TOL = 1e-9
 VOCAB, D, HEADS, SEQ, BATCH, LAYERS = 2048, 512, 8, 256, 16, 2

@@ -177,7 +177,7 @@ def test_bf16_all_reduce_rounds_each_step(algorithm):
     """Four members whose sum cancels: bf16 per-step rounding (the semantics) is not the exact
     sum; 'direct' is the group-order bf16 fold exactly, the schedules equal it up to order."""
     from partir_emu.collectives.semantics import reference
-    from tests.test_local_mesh import Builder, _dims
+    from tests.unit.test_local_mesh import Builder, _dims
     mesh = Mesh(a=4)
     bld = Builder(mesh)
     x = bld.input((4 * 8,), _dims(1, 0, ("a",)), dtype="bfloat16")

@@ -265,7 +265,7 @@ def test_tree_across_nodes_runs_ahead_in_the_des():
     """8 nodes, one GPU each, fat tree of 4 nodes per leaf: some tree edges cross the spine (4 hops),
     some stay under a leaf (2). Priced in lock step (every step its slowest message) it would be
     5c + a + 4.5 N/B; members move on when their own messages are in, so both models give the critical
-    path 4a + 2c + 4.5 N/B (hand-derived in ``tests/test_tree_across_nodes.py``), and the default takes
+    path 4a + 2c + 4.5 N/B (hand-derived in ``tests/unit/test_tree_across_nodes.py``), and the default takes
     the tree over the ring (2 log2 p against 2 (p - 1) steps)."""
     spec = load_spec("h100")
     mesh = Mesh(data=8, model=8)

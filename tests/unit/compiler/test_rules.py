@@ -12,7 +12,7 @@ from partir_emu.core.factors import FactorRule, RuleBuilder
 from partir_emu.core.ir import Eqn, Literal, Var
 from partir_emu.errors import UnsupportedPrimitiveError
 from partir_emu.primitives import rule_for
-from tests.compiler.helpers import blocked, reduction, sizes, spell
+from tests.unit.compiler.helpers import blocked, reduction, sizes, spell
 
 _ids = iter(range(10**6))
 

@@ -12,7 +12,7 @@ from partir_emu.core.ir import verify
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.errors import LoweringError
-from tests.compiler.helpers import ProgramBuilder, collectives, lowered, state_after
+from tests.unit.compiler.helpers import ProgramBuilder, collectives, lowered, state_after
 
 A2 = Mesh(a=2)
 AB = Mesh(a=2, b=2)

@@ -13,7 +13,7 @@ BP, MP and Z3 and verify against jax.jit"), trained with optax Adam, partitioned
 
 The model: two encoder levels (3×3 convs, ``nn.max_pool`` and ``nn.avg_pool``), a bottleneck, a
 decoder that upsamples with ``jnp.repeat`` and concatenates the skip connections, a 1×1 output
-conv; a per-pixel MSE loss. Checked as tests/test_third_party_models.py checks its models (its
+conv; a per-pixel MSE loss. Checked as tests/integration/test_third_party_models.py checks its models (its
 ``_check``: loss and gradients to ``rtol=1e-4`` normwise, the whole optax step to 1e-3).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ nn = pytest.importorskip("flax.linen")
 optax = pytest.importorskip("optax")
 
 import partir_emu as pe  # noqa: E402
-from tests.test_third_party_models import _axes, _check  # noqa: E402
+from tests.integration.test_third_party_models import _axes, _check  # noqa: E402
 
 BATCH, SIZE, CH = 4, 16, 8
 

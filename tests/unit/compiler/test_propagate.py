@@ -11,7 +11,7 @@ from partir_emu.compiler.tactics import ManualPartition as MP
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.errors import MeshError, ShardingError, TacticError
-from tests.compiler.helpers import ProgramBuilder, lit, state_after
+from tests.unit.compiler.helpers import ProgramBuilder, lit, state_after
 
 A2 = Mesh(a=2)
 AB = Mesh(a=2, b=2)
