@@ -18,7 +18,9 @@ from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.des.stream import compile_stream
 from partir_emu.hwmodels.network.comm import CommModel
 from partir_emu.hwmodels.network.concurrency import Contention, link_use
-from partir_emu.hwmodels.timeline.issue import issue_one_stream, issue_streams, round_robin, stream_prereqs
+from partir_emu.hwmodels.timeline import engine
+from partir_emu.hwmodels.timeline.issue import issue_one_stream, round_robin, stream_prereqs
+from partir_emu.hwmodels.timeline.networks import Standalone
 from partir_emu.hwmodels.timeline.overlap import schedule
 from tests.unit.test_hw_analytical import Builder
 
@@ -83,9 +85,10 @@ def test_one_stream_is_unchanged(case):
     Pev = P[walk.event_pos].tolist()
     tc = pr.times[plan.comm_eqns].tolist()
     one = issue_one_stream(plan.graph, walk.events, walk.keys, Pev, tc)
-    many = issue_streams(plan.graph, walk.events, walk.keys, Pev, tc, 1)
-    assert many[2] == one[2] and many[4] == [0] * len(tc)
-    assert many[0] == pytest.approx(one[0], rel=1e-12, abs=0) and many[1] == pytest.approx(one[1], rel=1e-12, abs=0)
+    many = engine.run(plan.graph, walk.events, walk.keys, Pev, 1, Standalone(tc))
+    assert many.order == one[2] and many.stream == [0] * len(tc) and many.stalls == one[3]
+    assert many.start == pytest.approx(one[0], rel=1e-12, abs=0)
+    assert many.finish == pytest.approx(one[1], rel=1e-12, abs=0)
     assert pr.sched is not None and pr.sched.stream is None and pr.sched.streams == 1
 
 

@@ -7,10 +7,11 @@ Modules: :mod:`.model` (the simulation: wires the parts below), :mod:`.protocols
 each part sees of the others), :mod:`.stream` (the op stream a device runs; loops run
 iteration by iteration), :mod:`.device` (devices running it, SPMD symmetry),
 :mod:`.collective` (schedules over all groups), :mod:`.plans` (their steps as flows),
-:mod:`.classes` (symmetry classes of members and flows), :mod:`.network` (flow-level max-min),
+:mod:`.classes` (symmetry classes of members and flows), :mod:`partir_emu.hwmodels.des.network.flows` (flow-level max-min),
 :mod:`partir_emu.hwmodels.des.network.chunked` (store-and-forward), :mod:`partir_emu.hwmodels.des.network.routing` (routes, degraded/failed links),
-:mod:`.trace_export` (Perfetto), :mod:`.validate` (analytical vs DES on given programs),
-:mod:`partir_emu.hwmodels.validation.replay` (MPI message traces). The command line (``simulate-des``, ``validate``,
+:mod:`.report` (the report and the Perfetto trace), :mod:`.engine_network` (the flow network as a
+network model of the timeline engine), :mod:`partir_emu.hwmodels.validation.des` (analytical vs DES
+on given programs), :mod:`partir_emu.hwmodels.validation.replay` (MPI message traces). The command line (``simulate-des``, ``validate``,
 ``replay``) and the validation suites live in :mod:`partir_emu.app`. Imports neither jax
 nor mpi4py.
 """

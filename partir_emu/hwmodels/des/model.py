@@ -42,9 +42,8 @@ from partir_emu.hwmodels.des.network.chunked import ChunkNetwork
 from partir_emu.hwmodels.des.network.routing import DesError, FlowRouter, SymmetryBroken, link_factors
 from partir_emu.hwmodels.des.network.spans import FlowNetwork
 from partir_emu.hwmodels.des.protocols import Network
-from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow, Progress
+from partir_emu.hwmodels.des.report import DesCollectiveRow, DesReport, LinkRow, Progress, Recorder, write_chrome_trace
 from partir_emu.hwmodels.des.stream import OpStream, compile_stream
-from partir_emu.hwmodels.des.trace_export import Recorder, write_chrome_trace
 from partir_emu.hwmodels.machine.placement import Placement
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 from partir_emu.hwmodels.network.comm import CommModel

@@ -9,7 +9,7 @@ Collectives are asynchronous (start/done). A device runs
   collectives that are *ready*, the one needed first: priority = the program position of its
   first consumer (XLA's latency-hiding scheduler and NCCL's stream do this; not program order).
   With ``comm_streams = k`` there are ``k`` such streams and collectives in flight together share
-  links (:mod:`.streams`, :mod:`partir_emu.hwmodels.network.concurrency`).
+  links (:mod:`.engine` with :class:`.networks.Shared`).
 
 Readiness of collective ``c``: the compute stream has *reached* position ``ready_pos[c]`` (every
 compute equation before that index finished) and the collectives producing its operand are done.
@@ -65,7 +65,9 @@ from partir_emu.core.ir import Program, Var
 from partir_emu.errors import UsageError
 from partir_emu.hwmodels.compute.memory import MemoryProfile, breakdown_at, prefetch_peak
 from partir_emu.hwmodels.network.concurrency import Contention
-from partir_emu.hwmodels.timeline.issue import IssueGraph, issue_one_stream, issue_streams
+from partir_emu.hwmodels.timeline import engine
+from partir_emu.hwmodels.timeline.issue import IssueGraph, issue_one_stream
+from partir_emu.hwmodels.timeline.networks import NetworkModel, Shared, Standalone
 
 VIEW_PRIMS = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim", "squeeze",
                         "expand_dims", "copy", "reduce_sum", "reduce_max", "reduce_min"})
@@ -302,7 +304,8 @@ class OverlapSchedule:
 
 
 def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = None, comm_streams: int = 1,
-             contention: Contention | None = None, keys: Sequence[int] | None = None) -> OverlapSchedule:
+             contention: Contention | None = None, keys: Sequence[int] | None = None,
+             network: NetworkModel | None = None) -> OverlapSchedule:
     """The list schedule of the module docstring on per-equation ``times`` (collectives' entries are
     their standalone durations; compute entries may be 0, e.g. inside a fused group).
 
@@ -312,9 +315,11 @@ def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = 
     time ``P[ready_pos] + stall`` grows along the walk, so collectives without collective producers
     queue in a plain FIFO; only collective-fed ones need a heap.
 
-    ``comm_streams > 1``: that many communication streams (:mod:`.streams`, the rule the DES shares);
-    collectives in flight together slow each other by ``contention`` (:mod:`partir_emu.hwmodels.network.concurrency`; ``keys``:
-    per collective, its index there, as ``ProgramCosts.comm_inverse``)."""
+    ``comm_streams > 1``: that many communication streams (the timeline engine, :mod:`.engine`, the
+    rule the DES shares); collectives in flight together slow each other by ``contention`` (:mod:`partir_emu.hwmodels.network.concurrency`; ``keys``:
+    per collective, its index there, as ``ProgramCosts.comm_inverse``). ``network``: run the engine on
+    this network model instead (the DES's flow network: :mod:`partir_emu.hwmodels.des.engine_network`);
+    the collectives' entries of ``times`` then matter only to the models that read them."""
     if not (isinstance(comm_streams, (int, np.integer)) and comm_streams >= 1):
         raise UsageError(f"comm_streams={comm_streams!r}: give the number of collectives a device may run at "
                          f"once (an integer >= 1; 1 = one communication stream)")
@@ -325,11 +330,13 @@ def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = 
     Pev = P[walk.event_pos].tolist()
     tc = times[comm_eqns].tolist()
     stream = None
-    if comm_streams == 1:
+    if comm_streams == 1 and network is None:
         start, finish, order, stalls = issue_one_stream(plan.graph, walk.events, walk.keys, Pev, tc)
     else:
-        start, finish, order, stalls, stream = issue_streams(plan.graph, walk.events, walk.keys, Pev, tc,
-                                                             int(comm_streams), keys, contention)
+        net = network if network is not None else (Standalone(tc) if contention is None or keys is None
+                                                     else Shared(tc, contention, keys))
+        line = engine.run(plan.graph, walk.events, walk.keys, Pev, int(comm_streams), net)
+        start, finish, order, stalls, stream = line.start, line.finish, line.order, line.stalls, line.stream
     D = stalls[-1][1] if stalls else 0.0
     end = float(P[-1]) + D
     last = max(finish, default=0.0)
