@@ -211,7 +211,11 @@ def _parse_overrides(scenario: Scenario, overrides: str | Mapping[str, Any] | No
             raise ScenarioError(f"size override {part!r} is not NAME=INT; write e.g. "
                                 f"{scenario.size_names[0]}=128; valid names for {scenario.name!r}: "
                                 f"{', '.join(scenario.size_names)}")
-        out[name.strip()] = value.strip()
+        key = name.strip()
+        if key in out:
+            raise ScenarioError(f"size override {key!r} is given twice in {overrides!r} ({key}={out[key]} and "
+                                f"{key}={value.strip()}); give each name once")
+        out[key] = value.strip()
     return out
 
 

@@ -245,9 +245,12 @@ def check_run_args(args: argparse.Namespace, exp: Any) -> None:
         also = " (it is not available on the MPI backend)" if mpi and args.algorithm in LOCAL_ALGORITHMS else ""
         raise UsageError(f"--algorithm {args.algorithm!r} is not a collective algorithm of the {args.backend} "
                          f"backend{also}; use one of {', '.join(known)}")
-    if mpi and n % args.devices_per_rank:
-        raise UsageError(f"--devices-per-rank {args.devices_per_rank} does not divide the {n} devices of "
-                         f"{_mesh_str(mesh)}")
+    if args.devices_per_rank is not None and not mpi:
+        raise UsageError(f"--devices-per-rank {args.devices_per_rank} places emulated devices on MPI ranks; use it "
+                         f"with --backend mpi (the local backend runs every device in this process)")
+    per_rank = args.devices_per_rank or 1
+    if mpi and n % per_rank:
+        raise UsageError(f"--devices-per-rank {per_rank} does not divide the {n} devices of {_mesh_str(mesh)}")
     if args.trace_messages is not None and not mpi:
         raise UsageError("--trace-messages records MPI transfers; use it with --backend mpi")
     check_output_path(args.trace_messages, "--trace-messages")
@@ -259,7 +262,7 @@ def check_run_args(args: argparse.Namespace, exp: Any) -> None:
         check_npz(args.inputs, "--inputs")      # the input names need jax, which ranks > 0 never import
     inputs = input_bytes(exp)
     if rank is None:        # this machine holds everything: the inputs, and every device's shards
-        ranks = n // args.devices_per_rank if mpi else 0
+        ranks = n // per_rank if mpi else 0
         check_memory(2 * inputs + ranks * RANK_OVERHEAD_BYTES, f"its global inputs alone take {fmt_bytes(inputs)}, "
                      f"held once whole and once in the devices' shards"
                      + (f", + {ranks} MPI ranks × {fmt_bytes(RANK_OVERHEAD_BYTES)}" if ranks else ""),

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from partir_emu.errors import MeshError
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The paper's schedules and XLA's meshes use a handful of axes; resharding plans and the placement
+# search grow with the number of axes (a mesh of thousands of size-1 axes would never finish).
+MAX_AXES = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +57,9 @@ class Mesh:
         return cls(axes=items)
 
     def _validate(self) -> None:
+        if len(self.axes) > MAX_AXES:
+            raise MeshError(f"a mesh of {len(self.axes)} axes ({self.axes[0][0]}, {self.axes[1][0]}, ...): at most "
+                            f"{MAX_AXES} are supported; merge axes that tactics never shard apart")
         seen = set()
         for name, size in self.axes:
             if not _AXIS_NAME.match(name):

@@ -125,6 +125,10 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("run mlp {T} --set widht=4", "has no size 'widht'", True),
     ("run mlp {T} --set batch=0", "batch", True),
     ("run mlp {T} --set batch=x", "batch", True),
+    ("run mlp {T} --set batch=4,hidden=8,batch=8", "'batch' is given twice", True),
+    ("simulate transformer --set precision=bf16,precision=f32", "'precision' is given twice", True),
+    ("run mlp {T} --devices-per-rank 2", "use it with --backend mpi", True),
+    ("simulate mlp --mesh " + ",".join(f"a{i}=1" for i in range(3000)), "at most 16 are supported", True),
     # run: argparse
     ("run", "the following arguments are required", True),
     ("run mlp --bogus-flag", "unrecognized arguments", True),

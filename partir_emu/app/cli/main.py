@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "results equal the unpartitioned ones bit for bit on any CPU; slower)")
     p.add_argument("--devices", type=checks.positive_int, default=None,
                    help="mpi backend: number of devices (= mesh size)")
-    p.add_argument("--devices-per-rank", type=checks.positive_int, default=1)
+    p.add_argument("--devices-per-rank", type=checks.positive_int, default=None,
+                   help="mpi backend: emulated devices per MPI rank (default 1)")
     p.add_argument("--timeout", type=checks.seconds, default=300.0, help="seconds before the MPI job is stopped")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)   # tests: partir_emu.mpi.faults
     p.add_argument("--trace-messages", default=None, help="mpi backend: write every transfer to this file")

@@ -132,7 +132,7 @@ def _layout(exp: Experiment, args: argparse.Namespace) -> tuple[int, int]:
     if args.devices is not None and args.devices != n:
         raise MeshError(f"--devices {args.devices} but the mesh {exp.mesh} has {n} devices; give a --mesh "
                         f"with {args.devices} devices (e.g. batch={args.devices})")
-    k = args.devices_per_rank
+    k = args.devices_per_rank or 1
     if k < 1 or n % k:
         raise MeshError(f"--devices-per-rank {k} does not divide the {n} devices of {exp.mesh}")
     return n, k
