@@ -124,6 +124,22 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: directory {parent} is not writable; choose another path")
 
 
+PLOT_FORMATS = ("png", "pdf", "svg", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+"""Image formats every matplotlib backend writes (the plot's format is its file name's suffix)."""
+
+
+def check_plot_path(path: str | None, flag: str) -> None:
+    """As :func:`check_output_path`, and ``path`` names an image format matplotlib writes: checked
+    before any work, so a typo does not cost the run."""
+    check_output_path(path, flag)
+    if path is None:
+        return
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise UsageError(f"{flag} {path}: {'no suffix' if not suffix else f'unknown image format .{suffix}'}; "
+                         f"end the file name in .png, .pdf or .svg (or {', '.join('.' + f for f in PLOT_FORMATS[3:])})")
+
+
 def check_input_file(path: str | None, flag: str) -> None:
     """``path`` is an existing, readable regular file (None: not given)."""
     if path is None:

@@ -128,6 +128,9 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("run mlp {T} --set batch=4,hidden=8,batch=8", "'batch' is given twice", True),
     ("simulate transformer --set precision=bf16,precision=f32", "'precision' is given twice", True),
     ("run mlp {T} --devices-per-rank 2", "use it with --backend mpi", True),
+    ("validate --suite quick --plot {d}/scatter.qqq", "unknown image format .qqq", True),
+    ("fidelity --plot {d}/scatter", "no suffix", True),
+    ("simulate mlp --hardware {d}", "is a directory", True),
     ("simulate mlp --mesh " + ",".join(f"a{i}=1" for i in range(3000)), "at most 16 are supported", True),
     # run: argparse
     ("run", "the following arguments are required", True),

@@ -88,7 +88,8 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
 
 def _check_paths(args: argparse.Namespace, *flags: str) -> None:
     for flag in flags:
-        checks.check_output_path(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
+        check = checks.check_plot_path if flag == "--plot" else checks.check_output_path
+        check(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
 
 
 def _options(args: argparse.Namespace, **kw: Any) -> DesOptions:

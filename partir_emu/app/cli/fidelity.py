@@ -34,7 +34,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     checks.check_output_path(args.report, "--report")
-    checks.check_output_path(args.plot, "--plot")
+    checks.check_plot_path(args.plot, "--plot")
     if args.fit:
         print(calibrate(args.fit, load_cases(args.data)).table())
         return 0

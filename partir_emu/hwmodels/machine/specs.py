@@ -167,7 +167,9 @@ def find_spec(name_or_path: str | os.PathLike) -> Path:
     if s.endswith(".toml") or os.sep in s or (os.altsep and os.altsep in s):
         p = Path(s)
         if not _is_file(p):
-            raise SpecError(f"hardware spec file {s} does not exist")
+            what = ("is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist")
+            raise SpecError(f"hardware spec file {s} {what}; give a .toml spec file (`partir-emu hardware` lists "
+                            f"the built-in ones)")
         return p
     for d in search_path():
         p = d / f"{s}.toml"
