@@ -1,30 +1,39 @@
 """partir_emu: a PartIR-style partitioning compiler, an MPI-emulated mesh,
 an analytical hardware model and a discrete-event validator.
 
-Importing ``partir_emu`` does not import jax; ``jit``, ``trace`` and ``lower_program``
-(:mod:`partir_emu.api`) load it on first use (MPI ranks and the hardware models never need it).
+Importing ``partir_emu`` imports nothing else: every name here loads its module on first use
+(``jit``, ``trace`` and ``lower_program`` load jax, which MPI ranks and the hardware models never
+need), so the command line can take the stop signals before anything heavy is imported
+(:mod:`partir_emu.app.cli.entry`).
 """
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPartition
-from partir_emu.core.mesh import Mesh
-from partir_emu.core.sharding import Sharding
-from partir_emu.errors import PartirError
+if TYPE_CHECKING:
+    from partir_emu.api import jit, lower_program, trace
+    from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPartition
+    from partir_emu.core.mesh import Mesh
+    from partir_emu.core.sharding import Sharding
+    from partir_emu.errors import PartirError
+    from partir_emu.interop import from_partition_specs
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Sharding", "ManualPartition", "AutomaticPartition", "REPLICATED", "PartirError", "jit", "trace",
            "lower_program", "from_partition_specs", "__version__"]
 
-_LAZY = ("jit", "trace", "lower_program")
+_HOME = {"Mesh": "partir_emu.core.mesh", "Sharding": "partir_emu.core.sharding",
+         "ManualPartition": "partir_emu.compiler.tactics", "AutomaticPartition": "partir_emu.compiler.tactics",
+         "REPLICATED": "partir_emu.compiler.tactics", "PartirError": "partir_emu.errors",
+         "jit": "partir_emu.api", "trace": "partir_emu.api", "lower_program": "partir_emu.api",
+         "from_partition_specs": "partir_emu.interop"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from partir_emu import api  # here, not at the top: partir_emu.api imports jax, MPI ranks must not
-        return getattr(api, name)
-    if name == "from_partition_specs":
-        from partir_emu import interop  # here, not at the top: partir_emu.interop imports jax, MPI ranks must not
-        return interop.from_partition_specs
-    raise AttributeError(name)
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'partir_emu' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value          # once: later lookups are plain attribute reads
+    return value

@@ -39,6 +39,7 @@ from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, EmulationError
+from partir_emu.mpi.interrupts import responsive
 from partir_emu.runtime.local_mesh import LocalMesh
 from partir_emu.runtime.rounding import other_orders
 from scenarios import get_scenario
@@ -99,11 +100,12 @@ class Experiment:
     @functools.cached_property
     def program(self) -> Program:
         """The traced global step (abstract inputs: nothing allocated). Imports jax on first use."""
-        return trace(self.make_step(), *self.scenario.abstract_inputs(self.cfg))
+        return responsive(lambda: trace(self.make_step(), *self.scenario.abstract_inputs(self.cfg)))
 
     def lower(self) -> Lowered:
         """Trace (abstractly), partition and lower."""
-        return lower_program(self.program, self.mesh, self.schedule, dict(self.scenario.state_outputs))
+        return responsive(lambda: lower_program(self.program, self.mesh, self.schedule,
+                                                dict(self.scenario.state_outputs)))
 
     def inputs(self, names: Sequence[str] | None = None) -> list[np.ndarray]:
         """Global inputs, flat, in the program's input order (numpy only): generated from the
@@ -129,7 +131,11 @@ class Experiment:
 
     def reference(self, inputs: Sequence[np.ndarray] | None = None, *, x64: bool = False) -> list[np.ndarray]:
         """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs; with ``x64`` in float64
-        (float inputs cast up, jax's 64-bit mode on for this call only)."""
+        (float inputs cast up, jax's 64-bit mode on for this call only). Like tracing and lowering, in
+        a helper thread under the CLI (:func:`~partir_emu.mpi.interrupts.responsive`)."""
+        return responsive(lambda: self._reference(inputs, x64))
+
+    def _reference(self, inputs: Sequence[np.ndarray] | None, x64: bool) -> list[np.ndarray]:
         jax = _jax()
         flat = list(self.inputs() if inputs is None else inputs)
         if x64:

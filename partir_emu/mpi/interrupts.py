@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -93,14 +93,73 @@ def _raise(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
+def _redeliver_swallowed(previous_hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An ``sys.unraisablehook`` that sends a stop signal again when its :class:`Interrupted` was
+    raised where Python can only print and drop it (a gc callback, a ``__del__``: jax's
+    ``_xla_gc_callback`` swallowed Ctrl-C and the command went on to exit 0). The signal comes back
+    from a timer thread a moment later, so the main thread takes it outside that callback."""
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, Interrupted):
+            timer = threading.Timer(0.02, os.kill, (os.getpid(), exc.signum))
+            timer.daemon = True
+            timer.start()
+            return
+        previous_hook(unraisable)
+
+    return hook
+
+
+_raising = 0          # signals_raise regions entered by the main thread
+
+
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
-    """Inside: SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted`."""
+    """Inside: SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted`, and one that lands where
+    Python would drop it is sent again (:func:`_redeliver_swallowed`): a stop is never swallowed."""
+    global _raising
     previous = install(_raise)
+    hook = sys.unraisablehook
+    if previous:                                # (the main thread: handlers are installed)
+        sys.unraisablehook = _redeliver_swallowed(hook)
+        _raising += 1
     try:
         yield
     finally:
+        if previous:
+            _raising -= 1
+        sys.unraisablehook = hook
         restore(previous)
+
+
+T = TypeVar("T")
+
+
+def responsive(fn: Callable[[], T]) -> T:
+    """``fn()`` in a helper thread while the main thread waits in Python, inside
+    :func:`signals_raise`: a signal handler runs only between the main thread's bytecodes, so a stop
+    during a long C call (jax's import, tracing, an XLA compile: 1.5-2 s seen under load) would
+    otherwise wait for the call to end. If interrupted, the helper is abandoned (the CLI then leaves
+    without finalization, :func:`leave_now`). Elsewhere (a library caller, a helper thread already)
+    it is a plain call."""
+    if not _raising or not _in_main_thread():
+        return fn()
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:      # handed to the caller
+            box["error"] = exc
+
+    helper = threading.Thread(target=call, name="partir-emu-jax", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.05)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @contextlib.contextmanager

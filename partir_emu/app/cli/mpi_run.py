@@ -37,11 +37,10 @@ import json
 import os
 import resource
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -55,8 +54,6 @@ from partir_emu.mpi.interrupts import note
 from partir_emu.mpi.jobs import MPI_ALGORITHMS, save_inputs
 from partir_emu.mpi.launch import MpiRun, under_mpirun
 from scenarios import get_scenario
-
-T = TypeVar("T")
 
 
 # -- inputs for the ranks (numpy only) --------------------------------------------------------------
@@ -106,27 +103,6 @@ def launch(jobs: Sequence[dict], ranks: int, **kw: Any) -> list[dict]:
 
 
 # -- the CLI ------------------------------------------------------------------------------------
-def responsive(fn: Callable[[], T]) -> T:
-    """``fn()`` in a helper thread while this (main) thread waits in Python: a signal handler
-    runs only between the main thread's bytecodes, so a stop signal during a long jax call
-    would otherwise wait for the call to end. If interrupted, the helper is abandoned (the CLI
-    then leaves without finalization, see :func:`partir_emu.mpi.interrupts.leave_now`)."""
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:      # handed to the caller
-            box["error"] = exc
-    helper = threading.Thread(target=call, name="partir-emu-jax", daemon=True)
-    helper.start()
-    while helper.is_alive():
-        helper.join(0.1)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def _layout(exp: Experiment, args: argparse.Namespace) -> tuple[int, int]:
     n = exp.mesh.size
     if args.devices is not None and args.devices != n:
@@ -161,7 +137,7 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
     n, k = _layout(exp, args)
     algorithm = _algorithm(args)
     t0 = time.perf_counter()
-    low = responsive(exp.lower)
+    low = exp.lower()                     # (in a helper thread: a stop signal is taken at once)
     print_warnings(low.warnings)
     spmd = low.spmd
     lower_s = time.perf_counter() - t0
@@ -181,7 +157,7 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
                 announce("launch, step (and the references meanwhile)")
                 run.start()
                 t_ref = time.perf_counter()
-                refs = responsive(lambda: exp.references(inputs))   # overlaps with the ranks' start-up
+                refs = exp.references(inputs)   # overlaps with the ranks' start-up
                 ref_s = time.perf_counter() - t_ref
                 res = run.wait()[0]
             except BaseException as exc:        # Ctrl-C/SIGTERM/SIGHUP or an error: stop the ranks
