@@ -40,6 +40,7 @@ from partir_emu.mpi.failure_report import WARNING_PREFIX, failure_message
 from partir_emu.mpi.faults import parse_fault
 from partir_emu.mpi.interrupts import note, signals_deferred
 from partir_emu.mpi.jobs import read_job_result, write_jobs
+from partir_emu.mpi.reaper import Reaper
 from partir_emu.mpi.supervise import DeathWatch, Supervised, cleanup_shm, is_hydra, mpiexec_path
 from partir_emu.runtime.progress import read_records
 
@@ -92,6 +93,7 @@ class MpiRun:
         self.progress_dir = self.workdir / "progress"
         self.process: Supervised | None = None
         self.watch: DeathWatch | None = None
+        self.reaper: Reaper | None = None
         self.start_wall = 0.0
         self._aborted = False
 
@@ -118,10 +120,23 @@ class MpiRun:
             self.watch.stop()
             raise
         self.start_wall = self.process.start_wall
+        assert self.process.proc is not None
+        # the watcher that cleans up should this process be SIGKILLed (partir_emu.mpi.reaper)
+        self.reaper = Reaper({"pgid": self.process.proc.pid, "marker": str(self.workdir),
+                              "progress": str(self.progress_dir), "shm_before": sorted(self.process.shm_before),
+                              "since": self.start_wall, "workdir": str(self.workdir),
+                              "remove_workdir": self.workdir.name.startswith("partir-emu-")}, self._env())
         return self
 
     def wait(self) -> list[dict]:
         """Wait for the launch; the jobs' results (``outputs``, ``stats``) or EmulationError."""
+        try:
+            return self._wait()
+        finally:
+            if self.reaper is not None:
+                self.reaper.stand_down()
+
+    def _wait(self) -> list[dict]:
         assert self.process is not None and self.watch is not None, "start() first"
         try:
             rc, timed_out = self.process.wait(self.timeout_s + WAIT_SLACK_S)
@@ -175,6 +190,8 @@ class MpiRun:
             removed = set(cleanup_shm(sorted(named), self.process.shm_before, self.start_wall))
             removed |= {s for s in named if not os.path.exists(s)}     # a stopped rank drops its own
             self.process.close_logs()
+        if self.reaper is not None:
+            self.reaper.stand_down()
         if exc is not None and running:
             note(exc, stopped=f"the MPI job ({self.ranks} rank{'s' if self.ranks > 1 else ''}, "
                               f"mpiexec pid {self.process.proc.pid})")

@@ -147,6 +147,35 @@ def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[
     _wait(proc, grace_s)
 
 
+def stop_left_over(pgid: int, marker: str, grace_s: float = 3.0) -> None:
+    """Stop what is left of a launch whose launcher is gone (:mod:`.reaper`): the processes of
+    mpiexec's group ``pgid`` and every process whose command line holds ``marker`` (the ranks, in
+    sessions of their own), SIGTERM then SIGKILL ``grace_s`` later."""
+    me = os.getpid()
+
+    def left() -> dict[int, int | None]:
+        out = {}
+        for p in _proc_table():
+            if p == me:
+                continue
+            try:
+                in_group = os.getpgid(p) == pgid
+            except OSError:
+                continue
+            if in_group or _cmdline_has(p, marker):
+                out[p] = _start_time(p)
+        return {p: t for p, t in out.items() if t is not None}
+
+    ident = left()
+    _signal(list(ident), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while ident and time.monotonic() < deadline:
+        time.sleep(0.05)
+        ident = {p: t for p, t in ident.items() if _start_time(p) == t}
+    _signal(list(ident), signal.SIGKILL)
+    _killpg(pgid, signal.SIGKILL)
+
+
 class Supervised:
     """``cmd`` running in its own session with its output in ``workdir/mpiexec.{out,err}``."""
 

@@ -257,3 +257,30 @@ def test_timeout_under_users_mpiexec_is_reported_once(tmp_path):
     assert len(lines) == 1, out.stderr
     assert "timed out after 4 s (--timeout)" in lines[0] and "last positions: rank 0: op " in lines[0], lines[0]
     _assert_nothing_left(tmp_path, {}, -1, set())     # mpiexec exits at MPI_Abort; the watcher a moment later
+
+
+def test_sigkill_of_the_launcher_leaves_nothing(tmp_path):
+    """The launcher SIGKILLed (no code of it runs): its watcher (partir_emu.mpi.reaper) stops
+    mpiexec and the ranks, removes their shm segment and the run's temp dir, within 10 s."""
+    proc = subprocess.Popen([str(EXE), *RUN, "--devices", "2", *_fault("rank:1:op:0:hang")], env=_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        recs = _wait_for(proc, str(tmp_path / "partir-emu-mpi-*" / "progress" / "rank-*.json"), 2, "step")
+        tree = _tree(proc.pid)
+        shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
+        assert shm, "the ranks map no MPICH segment"
+        ranks = [p for p in tree if p != proc.pid]
+        assert ranks, "the launcher has no mpiexec below it"
+        proc.kill()
+        proc.communicate(timeout=wall(10))
+        t0 = time.monotonic()
+        while any(_live(p) and (_stat(p) or [None] * 20)[19] == tree[p] for p in ranks) and \
+                time.monotonic() - t0 < wall(10):
+            time.sleep(0.1)
+        del tree[proc.pid]
+        # the launcher's own session: the mpiexec group is in a session of its own, checked by tree
+        _assert_nothing_left(tmp_path, tree, -1, shm)
+        assert time.monotonic() - t0 < wall(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
