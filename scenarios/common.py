@@ -219,6 +219,11 @@ def _parse_overrides(scenario: Scenario, overrides: str | Mapping[str, Any] | No
     return out
 
 
+MAX_SIZE = 1 << 31
+"""The largest size override: above any model dimension (vocabularies of 256k, a million-token
+batch), small enough that products of a few sizes stay within int64 element counts."""
+
+
 def resolve_size(scenario: Scenario | str, preset: str, overrides: str | Mapping[str, Any] | None = None) -> Config:
     """Sizes of ``preset`` with ``overrides`` applied (``"batch=128,hidden=1024"`` or a dict).
 
@@ -248,6 +253,10 @@ def resolve_size(scenario: Scenario | str, preset: str, overrides: str | Mapping
         if value is None:
             raise ScenarioError(f"size {name!r} of scenario {sc.name!r} must be a positive integer, got {raw!r}; "
                                 f"valid names: {', '.join(sc.size_names)}")
+        if value > MAX_SIZE:
+            raise ScenarioError(f"size {name}={str(raw)[:20]}{'...' if len(str(raw)) > 20 else ''} of scenario "
+                                f"{sc.name!r} is over {MAX_SIZE:,} (2**31); no dimension of a real model is "
+                                f"that large, and element counts must fit 64-bit integers")
         cfg[name] = value
     if sc.complete_config is not None:
         cfg = sc.complete_config(cfg)
@@ -272,6 +281,8 @@ def _as_positive_int(raw: Any) -> int | None:
     if isinstance(raw, (int, np.integer)):
         value = int(raw)
     elif isinstance(raw, str):
+        if len(raw.strip().lstrip("+-")) > 12:             # (int() of thousands of digits is slow)
+            return MAX_SIZE + 1 if raw.strip().isdigit() else None
         try:
             value = int(raw.strip(), 10)
         except ValueError:

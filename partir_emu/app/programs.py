@@ -33,6 +33,7 @@ from partir_emu.app.atomic import atomic_path
 from partir_emu.app.experiment import Experiment
 from partir_emu.core.spmd import FORMAT, VERSION, SpmdProgram
 from partir_emu.errors import ArtifactError
+from partir_emu.limits import loads
 
 ENTRY_FORMAT = "partir-emu-program-cache/1"
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +112,7 @@ class ProgramCache:
             return None
         why = None
         try:
-            entry = json.loads(path.read_text())
+            entry = loads(path.read_text(), str(path), ArtifactError, "program cache entry", finite=False)
             if not isinstance(entry, dict) or entry.get("format") != ENTRY_FORMAT:
                 why = f"not a {ENTRY_FORMAT} entry"
             elif entry.get("key") != json.loads(json.dumps(key)):

@@ -45,6 +45,7 @@ from partir_emu.core.loops import unroll
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram, collective_bytes, permute_pairs
 from partir_emu.errors import ArtifactError, PartirError
+from partir_emu.limits import loads
 
 FORMAT = "partir-emu-message-trace"
 VERSION = 2
@@ -158,10 +159,7 @@ def _check_collective(key: str, c: Any, where: str) -> None:
 
 
 def _json_line(line: str, where: str, what: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{where} is not JSON ({exc}); expected {what}") from None
+    return loads(line, where, ArtifactError, what)
 
 
 def _row(line: str, where: str) -> tuple[int, ...]:

@@ -56,6 +56,7 @@ from partir_emu.core.loops import LOOP, iteration_order, walk
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
 from partir_emu.errors import ArtifactError, CollectiveError
+from partir_emu.limits import loads
 
 FORMAT = "partir-spmd"
 VERSION = 2
@@ -257,10 +258,7 @@ class SpmdProgram:
 
     @classmethod
     def loads(cls, text: str | bytes, where: str = "<string>") -> SpmdProgram:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ArtifactError(f"{where}: not JSON ({exc})") from None
+        data = loads(text, where, ArtifactError, "saved SPMD program", finite=False)   # (its -inf literals)
         return cls.from_json(data, where)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -71,6 +71,18 @@ def d(tmp_path_factory) -> Path:
     row = '{"coll": 0, "step": 0, "src": 99, "dst": 1, "bytes": 4}\n'
     (d / "dpr0.jsonl").write_text(json.dumps({**head, "devices_per_rank": 0}) + "\n")
     (d / "src99.jsonl").write_text(json.dumps(head) + "\n" + row)
+    # hostile files (issue 22): a nesting bomb, a 5,000-digit integer, 2**70 bytes, a 4096-device
+    # all-reduce claimed with no transfer, NaN where a number belongs
+    (d / "bomb.jsonl").write_text("[" * 100_000 + "\n")
+    (d / "bombcase.jsonl").write_text('{"scenario": ' + "[" * 100_000 + "\n")
+    (d / "digits.jsonl").write_text(json.dumps(head) + "\n" + row.replace("99", "9" * 5000))
+    (d / "digitscase.jsonl").write_text('{"scenario": "mlp", "strategy": "bp", "hardware": "tpu-v4", '
+                                        '"mesh": "batch=8", "comm_streams": ' + "9" * 5000 + '}\n')
+    (d / "huge.jsonl").write_text(json.dumps(head) + "\n" + row.replace('"bytes": 4', f'"bytes": {2**70}'))
+    (d / "nan.jsonl").write_text(json.dumps(head) + "\n" + row.replace('"bytes": 4', '"bytes": NaN'))
+    claim = {**head, "mesh": [["batch", 4096]], "devices": 4096, "ranks": 4096,
+             "collectives": {"0": {"prim": "all_reduce", "axes": ["batch"], "bytes": 1 << 20, "itemsize": 4}}}
+    (d / "claim.jsonl").write_text(json.dumps(claim) + "\n")
     for name, n in (("hugemesh.jsonl", 10**9), ("bigmesh.jsonl", 8192)):
         (d / name).write_text(json.dumps({**head, "mesh": [["batch", n]], "devices": n}) + "\n")
     return d
@@ -117,7 +129,7 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("run transformer --size t32 --mesh batch=2,model=2", "simulation-only", True),
     ("run transformer --size t48 --mesh batch=2,model=2", "simulation-only", True),
     ("run mlp --size tiny --mesh batch=8192", "at most 4,096", True),
-    ("run mlp --size tiny --mesh batch=2 --set hidden=1000000000000000000000", "of memory", True),
+    ("run mlp --size tiny --mesh batch=2 --set hidden=2000000000", "of memory", True),
     ("run mlp --size tiny --mesh batch", "not AXIS=SIZE", True),
     ("run mlp --size tiny --mesh batch=0", "size 0", True),
     ("run mlp --size tiny --mesh batch=-2", "batch", True),
@@ -125,6 +137,8 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("run mlp {T} --set widht=4", "has no size 'widht'", True),
     ("run mlp {T} --set batch=0", "batch", True),
     ("run mlp {T} --set batch=x", "batch", True),
+    ("simulate mlp --set batch=" + "9" * 4000, "is over 2,147,483,648", True),
+    ("simulate mlp --set batch=" + str(2**70), "is over 2,147,483,648", True),
     ("run mlp {T} --set batch=4,hidden=8,batch=8", "'batch' is given twice", True),
     ("simulate transformer --set precision=bf16,precision=f32", "'precision' is given twice", True),
     ("run mlp {T} --devices-per-rank 2", "use it with --backend mpi", True),
@@ -202,6 +216,13 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("replay {d}/adir", "is a directory", True),
     ("replay {d}/dpr0.jsonl", "'devices_per_rank' must be a positive integer", True),
     ("replay {d}/src99.jsonl", "a device outside 0..1", True),
+    ("replay {d}/bomb.jsonl", "nested too deeply", True),
+    ("replay {d}/digits.jsonl", "an integer of 5000 digits", True),
+    ("replay {d}/huge.jsonl", "an integer of 22 digits", True),
+    ("replay {d}/nan.jsonl", "NaN is not a JSON number", True),
+    ("replay {d}/claim.jsonl", "needs at least 4096 transfers, the trace has 0", True),
+    ("validate --cases {d}/bombcase.jsonl", "nested too deeply", True),
+    ("validate --cases {d}/digitscase.jsonl", "an integer of 5000 digits", True),
     ("replay {d}/hugemesh.jsonl", "at most 1,048,576", True),
     ("replay {d}/bigmesh.jsonl", "has at most 4,096 chips", True),
     ("replay {d}/nope.jsonl", "no such file", True),

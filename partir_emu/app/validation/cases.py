@@ -13,7 +13,6 @@ of cases and of the mutations they catch is ``docs/validation.md``.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +29,7 @@ from partir_emu.hwmodels.machine.placement import place
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.hwmodels.validation.des import MAX_MAX, MEDIAN_MAX, Case, CaseResult, compare
 from partir_emu.hwmodels.validation.report import ValidationReport
+from partir_emu.limits import loads
 
 
 class ValidationError(PartirError):
@@ -220,10 +220,7 @@ def parse_cases(lines: Iterable[str], where: str = "cases") -> list[Case]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         at = f"{where}: case line {i + 1}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValidationError(f"{at}: not JSON ({exc}); {_FORMAT}") from None
+        d = loads(line, at, ValidationError, "validation case")
         out.append(check_case(_case(d, at), at))
     if not out:
         raise ValidationError(f"{where}: no cases; {_FORMAT}")

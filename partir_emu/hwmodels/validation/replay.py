@@ -64,6 +64,23 @@ def expected_rows(head: Mapping[str, Any], coll: int, itemsize: int | None = Non
     return np.array(out, dtype=np.int64).reshape(-1, 5)
 
 
+def least_transfers(head: Mapping[str, Any], coll: int) -> int:
+    """A lower bound on the transfers collective ``coll`` of the header makes, known without its
+    schedule: every member of every group receives at least one message (the others' data reach it
+    somehow) — for collective_permute, each pair that moves. A trace with fewer is not a trace of
+    it; a 255-byte file claiming an all-reduce over 4,096 devices must not cost a 33-million-row
+    schedule to say so."""
+    mesh = Mesh.from_json(head["mesh"])
+    c = head["collectives"][str(coll)]
+    p = int(np.prod([mesh.axis_size(a) for a in c["axes"]]))
+    if p == 1 or int(c["bytes"]) == 0:
+        return 0
+    groups = mesh.size // p
+    if c["prim"] == "collective_permute":
+        return groups * sum(1 for a, b in (_pairs(c) or ()) if a != b)
+    return groups * p
+
+
 def _pairs(c: Mapping[str, Any]) -> tuple[tuple[int, int], ...] | None:
     """A header entry's collective_permute pairs (None for the other collectives)."""
     pairs = c.get("pairs")
@@ -144,6 +161,11 @@ def check_trace(head: Mapping[str, Any], rows: np.ndarray) -> TraceCheck:
         got = by_coll.get(coll, np.zeros((0, 5), dtype=np.int64))
         got_key = Counter(map(tuple, got[:, 1:].tolist()))
         isz = int(c["itemsize"])
+        need = least_transfers(head, coll)
+        if len(got) < need:          # before its schedule is built: that costs what the header claims
+            raise ArtifactError(f"message trace: collective {coll} of the header ({c['prim']} over {list(c['axes'])}, "
+                                f"{c['bytes']} B) needs at least {need} transfers, the trace has {len(got)}: it is "
+                                f"truncated or was not written by `partir-emu run --trace-messages`")
         exp = expected_rows(head, coll, isz)
         exp_key = Counter(map(tuple, exp[:, 1:].tolist()))
         equal = exp_key == got_key
