@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -54,9 +55,23 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float as the string JSON parsers cannot choke on (``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"``): Python would write the bare tokens, which are not JSON. Said,
+    not dropped: a reader sees which value it was."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else ("NaN" if obj != obj else "Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as sorted, indented JSON (with a final newline) to ``path`` atomically."""
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """Write ``obj`` as sorted, indented JSON (with a final newline) to ``path`` atomically; strict
+    JSON: non-finite numbers as strings (:func:`finite_json`)."""
+    write_text_atomic(path, json.dumps(finite_json(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-__all__ = ["atomic_path", "write_json_atomic", "write_text_atomic"]
+__all__ = ["atomic_path", "finite_json", "write_json_atomic", "write_text_atomic"]

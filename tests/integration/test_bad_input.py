@@ -83,6 +83,8 @@ def d(tmp_path_factory) -> Path:
     claim = {**head, "mesh": [["batch", 4096]], "devices": 4096, "ranks": 4096,
              "collectives": {"0": {"prim": "all_reduce", "axes": ["batch"], "bytes": 1 << 20, "itemsize": 4}}}
     (d / "claim.jsonl").write_text(json.dumps(claim) + "\n")
+    v4 = (DATA_DIR / "tpu-v4.toml").read_text()
+    (d / "denormal.toml").write_text(v4.replace("link_bw_bytes_per_s = ", "link_bw_bytes_per_s = 1e-300 #", 1))
     for name, n in (("hugemesh.jsonl", 10**9), ("bigmesh.jsonl", 8192)):
         (d / name).write_text(json.dumps({**head, "mesh": [["batch", n]], "devices": n}) + "\n")
     return d
@@ -216,6 +218,7 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("replay {d}/adir", "is a directory", True),
     ("replay {d}/dpr0.jsonl", "'devices_per_rank' must be a positive integer", True),
     ("replay {d}/src99.jsonl", "a device outside 0..1", True),
+    ("simulate mlp --hardware {d}/denormal.toml", "ici.link_bw_bytes_per_s = 1e-300 is outside the sensible", True),
     ("replay {d}/bomb.jsonl", "nested too deeply", True),
     ("replay {d}/digits.jsonl", "an integer of 5000 digits", True),
     ("replay {d}/huge.jsonl", "an integer of 22 digits", True),
@@ -506,3 +509,20 @@ def test_progress_is_quiet_off_a_terminal_or_with_quiet():
 
 def test_spec_data_files_are_all_valid():
     assert len(list(DATA_DIR.glob("*.toml"))) >= 7
+
+
+def test_a_what_if_spec_beyond_hardware_still_writes_strict_json(tmp_path, capsys):
+    """what_if = true skips the ranges; the report is strict JSON even where a figure is infinite."""
+    spec = tmp_path / "slow.toml"
+    text = (DATA_DIR / "tpu-v4.toml").read_text().replace("link_bw_bytes_per_s = ", "link_bw_bytes_per_s = 1e-300 #", 1)
+    spec.write_text("what_if = true\n" + text)
+    report = tmp_path / "r.json"
+    assert main(["simulate", "mlp", "--size", "tiny", "--mesh", "batch=4", "--hardware", str(spec),
+                 "--report", str(report)]) == 0
+    capsys.readouterr()
+
+    def refuse(token: str) -> float:
+        raise AssertionError(f"bare {token} in the report")
+
+    data = json.loads(report.read_text(), parse_constant=refuse)
+    assert data["step_s"] == "Infinity" or data["step_s"] > 1e6    # seconds: an absurd link, said as it is

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from partir_emu.app import checks
+from partir_emu.app.atomic import finite_json
 from partir_emu.app.cli.exits import one_line
 from partir_emu.app.cli.faults import add_fault_args, fault_kwargs
 from partir_emu.app.cli.phases import Phases
@@ -270,7 +271,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         d = spec.to_json()
         d["sources"] = dict(spec.sources)
         if args.json:
-            print(json.dumps(d, indent=2, sort_keys=True))
+            print(json.dumps(finite_json(d), indent=2, sort_keys=True, allow_nan=False))
             return 0
         row = _spec_row(spec)
         print(f"{spec.name} ({spec.kind}): {spec.description}")
@@ -290,7 +291,7 @@ def cmd_hardware(args: argparse.Namespace) -> int:
         except PartirError as exc:        # one bad user file does not hide the others
             errors.append(one_line(exc))
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(finite_json(rows), indent=2, allow_nan=False))
     else:
         print(f"{'name':<10}{'kind':<5}{'chips':>7}  {'bf16 TFLOP/s':>12}{'HBM GiB':>9}{'HBM GB/s':>10}"
               f"{'link GB/s':>11}  topology; links")

@@ -69,7 +69,17 @@ _SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
     },
 }
 _OPTIONAL_TABLES = ("compiler", "efficiency")     # validated by hwmodels.efficiency
-_TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False)}
+_TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False),
+        "what_if": ((True, False), False)}
+# sensible ranges of the rates and latencies (field-name ending -> (low, high, unit)): far outside any
+# real chip or link, a value is a typo (a denormal bandwidth printed "inf ms"); a spec with
+# what_if = true skips them. Memory sizes are not bounded: a tiny HBM is a useful what-if and
+# prices finitely.
+RANGES = {"flops_bf16_per_s": (1e9, 1e18, "FLOP/s"), "flops_f32_per_s": (1e9, 1e18, "FLOP/s"),
+          "vector_flops_per_s": (1e9, 1e18, "FLOP/s"),
+          "bw_bytes_per_s": (1e6, 1e15, "B/s"), "latency_s": (1e-10, 1.0, "s"), "links_per_chip": (1, 64, ""),
+          "gpus_per_node": (1, 1024, ""), "nics_per_node": (1, 1024, ""), "nodes_per_leaf": (1, 1 << 20, ""),
+          "nodes_per_su": (1, 1 << 20, ""), "max_nodes": (1, 1 << 20, "")}
 
 
 @dataclass(frozen=True)
@@ -271,6 +281,8 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
             raise SpecError(f"{where}: field {table!r} must be a table [{table}], got {type(sub).__name__}")
         vals[table] = _check_table(sub, fields, where, table + ".")
         sources.update({k[:-len("_source")]: v for k, v in sub.items() if k.endswith("_source")})
+    if not top.get("what_if", False):
+        _check_ranges(vals, where)
     chip = vals["chip"]
     topo = vals["topology"]
     if kind == "tpu":
@@ -300,6 +312,16 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
                         top.get("description", ""), where, sources,
                         compiler=parse_compiler(data.get("compiler"), where),
                         efficiency=parse_efficiency(data.get("efficiency"), where))
+
+
+def _check_ranges(vals: Mapping[str, Mapping[str, Any]], where: str) -> None:
+    for table, fields in vals.items():
+        for key, value in fields.items():
+            rng = next((r for end, r in RANGES.items() if key.endswith(end)), None)
+            if rng is not None and isinstance(value, (int, float)) and not rng[0] <= value <= rng[1]:
+                raise SpecError(f"{where}: field {table}.{key} = {value:g} is outside the sensible range "
+                                f"[{rng[0]:g}, {rng[1]:g}] {rng[2]}; fix it, or put what_if = true at the top "
+                                f"of the spec for a study beyond real hardware")
 
 
 def _check_table(sub: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]], where: str, prefix: str,
