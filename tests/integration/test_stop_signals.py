@@ -26,15 +26,16 @@ pytestmark = [pytest.mark.wallclock, pytest.mark.xdist_group("stop_signals")]
 EXE = Path(sys.executable).with_name("partir-emu")
 CAUGHT = {int(signal.SIGINT), int(signal.SIGTERM), int(signal.SIGHUP)}
 
+# each takes 3-8 s on a quiet 2-core machine: the latest moment below is well inside it
 COMMANDS = {
     "simulate": "simulate transformer --size t32 --strategy z3 --mesh batch=256 --hardware tpu-v4 --report r.json",
-    "simulate-des": "simulate-des transformer --size small --strategy bp+mp --mesh batch=4,model=4 --report r.json",
-    "validate": "validate --suite quick --report r.json",
-    "run": "run mlp --size tiny --mesh batch=2,model=2 --report r.json",
-    "show": "show transformer --size small --strategy bp+mp --mesh batch=2,model=2 --output p.json",
+    "simulate-des": "simulate-des transformer --size t32 --strategy bp+mp --mesh batch=8,model=4 --report r.json",
+    "validate": "validate --suite closed-form --report r.json",
+    "run": "run transformer --size tiny --strategy bp+mp --mesh batch=2,model=2 --report r.json",
+    "show": "show transformer --size t48 --strategy bp+mp --mesh batch=2,model=2 --output p.json",
 }
 # (signal, seconds after the start-up handlers are in): import, then tracing/lowering, then work
-MOMENTS = [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.4), (signal.SIGHUP, 1.0), (signal.SIGINT, 1.6)]
+MOMENTS = [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.3), (signal.SIGHUP, 0.7), (signal.SIGINT, 1.2)]
 
 
 def _caught(pid: int) -> set[int]:
