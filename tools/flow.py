@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RANK = {"errors": 0, "core": 0, "primitives": 1, "collectives": 1, "compiler": 2, "runtime": 2, "hwmodels": 2,
+RANK = {"errors": 0, "limits": 0, "core": 0, "primitives": 1, "collectives": 1, "compiler": 2, "runtime": 2, "hwmodels": 2,
         "mpi": 3, "app": 4, "api": 4, "interop": 4, "__init__": 4, "scenarios": 4}
 
 
