@@ -55,7 +55,7 @@ from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var, nbytes
 from partir_emu.core.loops import LOOP, iteration_order, walk
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
-from partir_emu.errors import ArtifactError, CollectiveError
+from partir_emu.errors import ArtifactError, CollectiveError, PartirError
 from partir_emu.limits import loads
 
 FORMAT = "partir-spmd"
@@ -231,6 +231,8 @@ class SpmdProgram:
 
     @classmethod
     def from_json(cls, d: dict, where: str = "<json>") -> SpmdProgram:
+        if not isinstance(d, dict):
+            raise ArtifactError(f"{where}: not a partir SPMD program (a JSON {type(d).__name__}, not an object)")
         if d.get("format") != FORMAT:
             raise ArtifactError(f"{where}: not a partir SPMD program (format {d.get('format')!r}, expected {FORMAT!r})")
         if d.get("version") not in READABLE_VERSIONS:
@@ -250,7 +252,9 @@ class SpmdProgram:
                        tuple(tuple(i["global_shape"]) for i in d["inputs"]),
                        tuple(tuple(o["global_shape"]) for o in d["outputs"]),
                        dict(d.get("meta", {})))
-        except (KeyError, TypeError, ValueError, IndexError, AssertionError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AssertionError, AttributeError, PartirError) as exc:
+            if isinstance(exc, ArtifactError):
+                raise
             raise ArtifactError(f"{where}: malformed SPMD program ({type(exc).__name__}: {exc})") from None
 
     def dumps(self) -> str:
