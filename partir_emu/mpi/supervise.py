@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,22 @@ def _wait(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
+def _terminate(ident: dict[int, int], pgid: int, grace_s: float, done: Callable[[], bool] = lambda: True) -> None:
+    """SIGTERM the group ``pgid`` and the processes ``ident`` (pid -> start time: a pid reused by
+    another process is never signalled), then SIGKILL whatever is left ``grace_s`` later (``done``:
+    whether the group's leader has ended too)."""
+    _killpg(pgid, signal.SIGTERM)
+    _signal(list(ident), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    left = list(ident)
+    while (left or not done()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if _start_time(p) == ident[p]]
+    _signal(left, signal.SIGKILL)
+    if not done():
+        _killpg(pgid, signal.SIGKILL)
+
+
 def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[int] = (), grace_s: float = 3.0) -> None:
     """SIGTERM ``proc``'s process group and every process of its tree at once (hydra starts
     each rank in a session of its own, so the group alone misses them; ``extra_pids`` whose
@@ -134,16 +150,7 @@ def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[
     ident = {p: t for p in descendants(proc.pid) if (t := _start_time(p)) is not None}
     ident.update({p: t for p in extra_pids if p not in ident and _cmdline_has(p, marker)
                   and (t := _start_time(p)) is not None})
-    _killpg(proc.pid, signal.SIGTERM)
-    _signal(list(ident), signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    left = list(ident)
-    while (left or proc.poll() is None) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = [p for p in left if _start_time(p) == ident[p]]
-    _signal(left, signal.SIGKILL)
-    if proc.poll() is None:
-        _killpg(proc.pid, signal.SIGKILL)
+    _terminate(ident, proc.pid, grace_s, lambda: proc.poll() is not None)
     _wait(proc, grace_s)
 
 
@@ -151,29 +158,17 @@ def stop_left_over(pgid: int, marker: str, grace_s: float = 3.0) -> None:
     """Stop what is left of a launch whose launcher is gone (:mod:`.reaper`): the processes of
     mpiexec's group ``pgid`` and every process whose command line holds ``marker`` (the ranks, in
     sessions of their own), SIGTERM then SIGKILL ``grace_s`` later."""
-    me = os.getpid()
-
-    def left() -> dict[int, int | None]:
-        out = {}
-        for p in _proc_table():
-            if p == me:
-                continue
-            try:
-                in_group = os.getpgid(p) == pgid
-            except OSError:
-                continue
-            if in_group or _cmdline_has(p, marker):
-                out[p] = _start_time(p)
-        return {p: t for p, t in out.items() if t is not None}
-
-    ident = left()
-    _signal(list(ident), signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while ident and time.monotonic() < deadline:
-        time.sleep(0.05)
-        ident = {p: t for p, t in ident.items() if _start_time(p) == t}
-    _signal(list(ident), signal.SIGKILL)
-    _killpg(pgid, signal.SIGKILL)
+    ident = {}
+    for p in _proc_table():
+        if p == os.getpid():
+            continue
+        try:
+            in_group = os.getpgid(p) == pgid
+        except OSError:
+            continue
+        if (in_group or _cmdline_has(p, marker)) and (t := _start_time(p)) is not None:
+            ident[p] = t
+    _terminate(ident, pgid, grace_s, lambda: not any(_start_time(p) == t for p, t in ident.items()))
 
 
 class Supervised:
