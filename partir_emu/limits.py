@@ -1,4 +1,4 @@
-"""Bounded reading of user files: JSON whose size, nesting and numbers are checked while it is parsed.
+"""Bounded reading of user files: JSON and TOML whose size, nesting and numbers are checked.
 
 Every reader of a file a user hands us (a message trace, a cases file, a saved program, the
 program cache, a job or stats file) parses JSON through :func:`loads`, which refuses, with the
@@ -12,18 +12,31 @@ caller's error class and a message naming the file (and line):
 - ``NaN``, ``Infinity``, ``-Infinity`` (not JSON; Python's parser takes them by default) and
   numbers that overflow a float (``1e400``).
 
-Only the standard library: MPI ranks and the hardware models read files too.
+Every TOML file (hardware specs, the fidelity data) is read by :func:`load_toml`, with the same
+limits (``TOML_MAX_BYTES``, 4 MiB, is ~100x the largest file we ship): size checked on the open file
+before it is read, nesting, and integers outside the int64 range (Python's own 4,300-digit limit
+is a ValueError inside the parser).
+
+Only the standard library (and ``tomli`` on Python 3.10): MPI ranks and the hardware models read
+files too.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
+    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
 
 from partir_emu.errors import PartirError
 
 MAX_INT_DIGITS = 19
 MAX_BYTES = 256 << 20
+TOML_MAX_BYTES = 4 << 20
 INT_RANGE = (-(1 << 63), 1 << 63)
 
 
@@ -63,3 +76,43 @@ def loads(text: str | bytes, where: str, error: type[PartirError], what: str = "
         raise error(f"{where}: not JSON ({exc}); expected {what}") from None
     except RecursionError:
         raise error(f"{where}: nested too deeply; not a {what}") from None
+
+
+def load_toml(path: str | os.PathLike, error: type[PartirError], what: str = "TOML file",
+              max_bytes: int = TOML_MAX_BYTES) -> dict[str, Any]:
+    """The parsed TOML file ``path`` within the limits of the module docstring; ``error(message)``
+    naming ``path`` and ``what`` it should be when it cannot be read, breaks a limit or is not TOML."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(data) > max_bytes:
+        raise error(f"{path}: {max(size, len(data)):,} bytes, more than the {max_bytes:,} a {what} may have")
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:     # TOML is UTF-8: a binary or Latin-1 file fails here
+        raise error(f"{path}: not a TOML file (byte {exc.start} is not UTF-8 text); expected a {what}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise error(f"{path}: nested too deeply; not a {what}") from None
+    except ValueError as exc:             # an integer of more than 4,300 digits
+        raise error(f"{path}: {str(exc).split(';')[0]}; a {what} holds integers below 2**63") from None
+    _check_ints(doc, path, error, what)
+    return doc
+
+
+def _check_ints(value: Any, path: str | os.PathLike, error: type[PartirError], what: str, key: str = "") -> None:
+    """Every integer of a parsed TOML document lies in the int64 range (the parser is not nested
+    deeper than the recursion limit, so neither is this walk)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_ints(v, path, error, what, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_ints(v, path, error, what, f"{key}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value < INT_RANGE[1]:
+        raise error(f"{path}: field {key} = {str(value)[:24]}{'…' if len(str(value)) > 24 else ''} is outside "
+                    f"[-2**63, 2**63); a {what} holds integers below 2**63")

@@ -128,6 +128,15 @@ PLOT_FORMATS = ("png", "pdf", "svg", "eps", "ps", "jpg", "jpeg", "tif", "tiff", 
 """Image formats every matplotlib backend writes (the plot's format is its file name's suffix)."""
 
 
+def only_with(value: object, flag: str, applies: bool, when: str, otherwise: str = "") -> None:
+    """Refuse ``flag`` given (``value`` not None) where it does nothing: it ``applies`` only ``when``
+    (e.g. "with --backend mpi"). An option silently ignored hides a user's mistake."""
+    if value is not None and value is not False and not applies:
+        shown = "" if value is True else f" {value:g}" if isinstance(value, float) else f" {value}"
+        raise UsageError(f"{flag}{shown} applies only {when}, so here it would be ignored; drop it or change the "
+                         f"command" + (f" ({otherwise})" if otherwise else ""))
+
+
 def check_plot_path(path: str | None, flag: str) -> None:
     """As :func:`check_output_path`, and ``path`` names an image format matplotlib writes: checked
     before any work, so a typo does not cost the run."""
@@ -261,14 +270,14 @@ def check_run_args(args: argparse.Namespace, exp: Any) -> None:
         also = " (it is not available on the MPI backend)" if mpi and args.algorithm in LOCAL_ALGORITHMS else ""
         raise UsageError(f"--algorithm {args.algorithm!r} is not a collective algorithm of the {args.backend} "
                          f"backend{also}; use one of {', '.join(known)}")
-    if args.devices_per_rank is not None and not mpi:
-        raise UsageError(f"--devices-per-rank {args.devices_per_rank} places emulated devices on MPI ranks; use it "
-                         f"with --backend mpi (the local backend runs every device in this process)")
+    only_with(args.devices_per_rank, "--devices-per-rank", mpi, "with --backend mpi",
+              "the local backend runs every device in this process")
+    only_with(args.timeout, "--timeout", mpi, "with --backend mpi", "the local backend runs in this process: "
+              "stop it with Ctrl-C")
+    only_with(args.trace_messages, "--trace-messages", mpi, "with --backend mpi", "it records MPI transfers")
     per_rank = args.devices_per_rank or 1
     if mpi and n % per_rank:
         raise UsageError(f"--devices-per-rank {per_rank} does not divide the {n} devices of {_mesh_str(mesh)}")
-    if args.trace_messages is not None and not mpi:
-        raise UsageError("--trace-messages records MPI transfers; use it with --backend mpi")
     check_output_path(args.trace_messages, "--trace-messages")
     check_output_path(args.report, "--report")
     rank = mpirun_rank()
@@ -367,4 +376,4 @@ def fmt_bytes(n: float) -> str:
 __all__ = ["LOCAL_ALGORITHMS", "MAX_RUN_DEVICES", "MAX_SIMULATE_DEVICES", "available_memory_bytes",
            "check_cache_dir", "check_fits_hardware", "check_input_file", "check_inputs_file", "check_npz", "check_memory", "check_mesh_size",
            "check_output_path", "check_run_args", "check_run_memory", "fmt_bytes", "input_bytes",
-           "nonnegative_int", "nonnegative_seconds", "positive_int", "run_memory_bytes", "seconds", "seed"]
+           "nonnegative_int", "nonnegative_seconds", "only_with", "positive_int", "run_memory_bytes", "seconds", "seed"]

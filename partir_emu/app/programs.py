@@ -14,7 +14,8 @@ not in it.
 **An entry is checked when it is read**: it is one JSON file ``<key digest>.json`` that holds the key
 itself, the program's text and the SHA-256 of that text. A file that does not parse, holds another
 key, or whose text does not hash to its digest (truncated by a killed writer, edited, another
-version) is reported in one line on stderr and lowered again; the new entry replaces it atomically
+version), or whose program does not read back as one for the key's mesh (a dtype that is not
+jax's, a local shape that its sharding on that mesh does not give) is reported in one line on stderr and lowered again; the new entry replaces it atomically
 (:func:`partir_emu.app.atomic.atomic_path`), so concurrent processes see the old file or the new one.
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ProgramCache:
         name = hashlib.sha256(text.encode()).hexdigest()[:32]
         hit = self._mem.get(name)
         if hit is None and self.directory is not None:
-            hit = self._read(self.directory / f"{name}.json", key)
+            hit = self._read(self.directory / f"{name}.json", key, exp)
         if hit is not None:
             self.hits += 1
             self._keep(name, hit)
@@ -105,9 +106,9 @@ class ProgramCache:
             Path(tmp).write_text(json.dumps(entry))
 
     @staticmethod
-    def _read(path: Path, key: dict) -> SpmdProgram | None:
-        """The entry at ``path`` if it holds ``key`` and checks out; None (with a warning when a file
-        was there) otherwise."""
+    def _read(path: Path, key: dict, exp: Experiment) -> SpmdProgram | None:
+        """The entry at ``path`` if it holds ``key`` and checks out (and its program takes ``exp``'s
+        inputs: names and global shapes); None (with a warning when a file was there) otherwise."""
         if not path.is_file():
             return None
         why = None
@@ -120,9 +121,16 @@ class ProgramCache:
             elif hashlib.sha256(str(entry.get("program", "")).encode()).hexdigest() != entry.get("sha256"):
                 why = "its program does not match its SHA-256 (truncated or edited)"
             else:
-                return SpmdProgram.loads(entry["program"], str(path))
+                spmd = SpmdProgram.loads(entry["program"], str(path))
+                want = {n: tuple(s) for n, s in exp.scenario.input_shapes(exp.cfg).items()}
+                if [[a, int(n)] for a, n in spmd.mesh.axes] != key["mesh"]:
+                    why = f"its program was lowered for {spmd.mesh}, not for the mesh of its key"
+                elif dict(zip(spmd.input_names, spmd.global_in_shapes)) != want or len(spmd.input_names) != len(want):
+                    why = "its program's inputs (names or global shapes) are not the scenario's"
+                else:
+                    return spmd
         except (OSError, ValueError, RecursionError, ArtifactError, KeyError, TypeError) as exc:
-            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            why = str(exc).splitlines()[0].removeprefix(f"{path}: ")[:200] if str(exc) else type(exc).__name__
         print(f"partir-emu: warning: ignoring the program cache entry {path} ({why}); lowering it again",
               file=sys.stderr)
         return None

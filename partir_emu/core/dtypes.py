@@ -10,7 +10,23 @@ import functools
 
 import numpy as np
 
-from partir_emu.errors import EmulationError
+from partir_emu.errors import ArtifactError, EmulationError
+
+# The dtype names an IR value may carry: jax's array dtypes. A saved program naming anything else
+# (``object``, a structured or sub-array type, a string type) was not written by partir_emu.
+IR_DTYPES = frozenset({
+    "bool", "int4", "int8", "int16", "int32", "int64", "uint4", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
+    "float4_e2m1fn", "float8_e3m4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
+
+
+def check_name(name: object, where: str) -> str:
+    """``name`` if it is one of :data:`IR_DTYPES`, else :class:`ArtifactError` naming it and ``where``."""
+    if not isinstance(name, str) or name not in IR_DTYPES:
+        raise ArtifactError(f"{where}: dtype {str(name)[:40]!r} is not an array dtype of jax "
+                            f"(one of {', '.join(sorted(IR_DTYPES)[:6])}, …); the file was not written by partir_emu")
+    return name
 
 
 @functools.cache
@@ -66,6 +82,8 @@ def storable(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def restored(z: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
     """Entry ``key`` of an .npz written from :func:`storable`, with its ml_dtypes dtype back."""
     x = z[key]
+    if not x.dtype.isnative:        # written on a big-endian machine: the same numbers, in this one's order
+        x = x.astype(x.dtype.newbyteorder("="))
     if DTYPES_KEY in z.files:
         import json  # why: only readers of files need it
         name = json.loads(str(z[DTYPES_KEY][()])).get(key)

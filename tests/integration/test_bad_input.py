@@ -9,7 +9,9 @@ caches, the memory estimate, progress lines. All in-process (``partir_emu.app.cl
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import sys
 import threading
 import time
@@ -85,6 +87,15 @@ def d(tmp_path_factory) -> Path:
     (d / "claim.jsonl").write_text(json.dumps(claim) + "\n")
     v4 = (DATA_DIR / "tpu-v4.toml").read_text()
     (d / "denormal.toml").write_text(v4.replace("link_bw_bytes_per_s = ", "link_bw_bytes_per_s = 1e-300 #", 1))
+    hostile_specs = {           # issue 22: each was exit 3 (a parser's RecursionError or ValueError) or taken
+        "deeparray": v4 + "\nx = " + "[" * 100_000 + "]" * 100_000 + "\n",
+        "deepinline": v4 + "\nq = " + "{a=" * 50_000 + "1" + "}" * 50_000 + "\n",
+        "digits": v4.replace("hbm_bytes = ", "hbm_bytes = " + "9" * 5000 + " #", 1),
+        "int80": v4.replace("hbm_bytes = ", f"hbm_bytes = {2**80} #", 1),
+        "poddims": re.sub(r"pod_dims = \[[^\]]*\]", "pod_dims = [4611686018427387904, 2, 2]", v4),
+        "huge": v4 + "\n# " + "x" * (5 << 20) + "\n"}
+    for name, text in hostile_specs.items():
+        (d / f"{name}.toml").write_text(text)
     for name, n in (("hugemesh.jsonl", 10**9), ("bigmesh.jsonl", 8192)):
         (d / name).write_text(json.dumps({**head, "mesh": [["batch", n]], "devices": n}) + "\n")
     return d
@@ -102,7 +113,7 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("run mlp {T} --inputs {d}/nope.npz", "no such file", True),
     ("run mlp {T} --inputs {d}/adir", "is a directory", True),
     ("run mlp {T} --inputs {d}/wrongkeys.npz", "neither the input names", False),
-    ("run mlp {T} --trace-messages {d}/t.jsonl", "use it with --backend mpi", True),
+    ("run mlp {T} --trace-messages {d}/t.jsonl", "applies only with --backend mpi", True),
     ("run mlp {T} --backend mpi --trace-messages {d}/missing/t.jsonl", "does not exist", True),
     # run: numbers
     ("run mlp {T} --timeout nan", "not a finite number", True),
@@ -143,7 +154,16 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("simulate mlp --set batch=" + str(2**70), "is over 2,147,483,648", True),
     ("run mlp {T} --set batch=4,hidden=8,batch=8", "'batch' is given twice", True),
     ("simulate transformer --set precision=bf16,precision=f32", "'precision' is given twice", True),
-    ("run mlp {T} --devices-per-rank 2", "use it with --backend mpi", True),
+    ("run mlp {T} --devices-per-rank 2", "applies only with --backend mpi", True),
+    # options that would do nothing here (issue 22: they were accepted and ignored)
+    ("run mlp {T} --timeout 5", "--timeout 5 applies only with --backend mpi", True),
+    ("simulate-des mlp {T} --chunk-bytes 4096", "applies only with --network chunk", True),
+    ("simulate-des mlp {T} --trace-devices 3", "applies only with --trace", True),
+    ("simulate-des mlp {T} --progress --quiet", "--progress applies only without --quiet", True),
+    ("simulate mlp {T} --no-overlap --prefetch-bytes 0", "applies only with --overlap", True),
+    ("simulate-des mlp {T} --no-overlap --prefetch-bytes 0", "applies only with --overlap", True),
+    ("validate --suite quick --cases {d}/empty.jsonl", "--suite quick applies only without --cases", True),
+    ("validate --progress --quiet", "--progress applies only without --quiet", True),
     ("validate --suite quick --plot {d}/scatter.qqq", "unknown image format .qqq", True),
     ("fidelity --plot {d}/scatter", "no suffix", True),
     ("simulate mlp --hardware {d}", "is a directory", True),
@@ -169,6 +189,13 @@ CATALOGUE: list[tuple[str, str, bool]] = [
     ("simulate mlp {T} --hardware {d}/notoml.toml", "not valid TOML", True),
     ("simulate mlp {T} --hardware {d}/partial.toml", "table [chip] is missing", True),
     ("simulate mlp {T} --hardware {d}/nope.toml", "does not exist", True),
+    ("simulate mlp {T} --hardware {d}/deeparray.toml", "nested too deeply", True),
+    ("simulate mlp {T} --hardware {d}/deepinline.toml", "nested too deeply", True),
+    ("simulate mlp {T} --hardware {d}/digits.toml", "4300 digits", True),
+    ("simulate mlp {T} --hardware {d}/int80.toml", "field chip.hbm_bytes", True),
+    ("simulate mlp {T} --hardware {d}/poddims.toml", "topology.pod_dims = 4611686018427387904", True),
+    ("simulate mlp {T} --hardware {d}/huge.toml", "more than the 4,194,304", True),
+    ("hardware {d}/deeparray.toml", "nested too deeply", True),
     ("simulate mlp {T} --hardware tpu-v9", "no hardware spec named 'tpu-v9'", True),
     ("simulate mlp --size tiny --mesh batch=1000000000", "at most 1,048,576", True),
     ("simulate mlp --size tiny --mesh batch=8192", "has at most 4,096 chips", True),
@@ -453,8 +480,10 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
 
 
 def test_a_bad_cache_entry_is_relowered_with_one_warning(tmp_path, capsys):
-    """Truncated, not JSON, edited (its hash no longer matches) or written for another program: each
-    is named in one warning and lowered again, and the entry is rewritten whole."""
+    """Truncated, not JSON, edited (its hash no longer matches), written for another program, or
+    edited with its hash made to match (a program for another mesh, a dtype that is not jax's, an
+    input the scenario does not have): each is named in one warning and lowered again, and the entry
+    is rewritten whole."""
     case = Case("mlp", "bp", "tpu-v4", "batch=2", preset="tiny")
     first = case_program(case, ProgramCache(tmp_path))
     (entry,) = tmp_path.glob("*.json")
@@ -463,8 +492,30 @@ def test_a_bad_cache_entry_is_relowered_with_one_warning(tmp_path, capsys):
     other["key"]["strategy"] = "mp"
     edited = json.loads(good)
     edited["program"] = edited["program"].replace('"batch"', '"batch" ', 1)
+
+    def rehashed(edit) -> str:
+        """``good`` with its program edited by ``edit`` and the SHA-256 made to match: only the
+        program's own checks can tell."""
+        entry_ = json.loads(good)
+        prog = json.loads(entry_["program"])
+        edit(prog)
+        entry_["program"] = json.dumps(prog)
+        entry_["sha256"] = hashlib.sha256(entry_["program"].encode()).hexdigest()
+        return json.dumps(entry_)
+
+    def dtype(name):
+        return lambda p: p["inputs"][0]["var"].__setitem__(2, name)
+
+    def other_mesh(p):          # the cache entry of issue 22: a program lowered for another mesh
+        p["mesh"] = [["batch", 4]]
+
+    def renamed(p):
+        p["inputs"][0]["name"] = "params/nope"
+
     for bad, why in ((good[:100], ""), ("\xff\x00", ""), (json.dumps(other), "another program"),
-                     (json.dumps(edited), "SHA-256")):
+                     (json.dumps(edited), "SHA-256"), (rehashed(other_mesh), "lowered for another mesh"),
+                     (rehashed(dtype("object")), "not an array dtype"), (rehashed(dtype("('<f4', (2,))")), "not an array dtype"),
+                     (rehashed(dtype("V8")), "not an array dtype"), (rehashed(renamed), "not the scenario's")):
         entry.write_text(bad)
         again = case_program(case, ProgramCache(tmp_path))
         err = capsys.readouterr().err
@@ -526,3 +577,25 @@ def test_a_what_if_spec_beyond_hardware_still_writes_strict_json(tmp_path, capsy
 
     data = json.loads(report.read_text(), parse_constant=refuse)
     assert data["step_s"] == "Infinity" or data["step_s"] > 1e6    # seconds: an absurd link, said as it is
+
+
+def test_big_endian_inputs_are_the_same_numbers(tmp_path, capsys):
+    """An .npz written on a big-endian machine holds the same float32 values in the other byte order:
+    it runs, with the outputs of the native file (it used to be refused as "expected float32[32],
+    got float32[32]")."""
+    from partir_emu.app.experiment import flatten
+    from scenarios import get_scenario, resolve_size
+    sc = get_scenario("mlp")
+    cfg = resolve_size(sc, "tiny")
+    arrays = {n: np.asarray(x) for n, x in zip(sc.input_names(cfg), flatten(sc.make_inputs(cfg, 0)))}
+    np.savez(tmp_path / "native.npz", **arrays)
+    np.savez(tmp_path / "big.npz", **{n: x.astype(x.dtype.newbyteorder(">")) for n, x in arrays.items()})
+    reports = []
+    for name in ("native", "big"):
+        report = tmp_path / f"{name}.json"
+        rc, _, err = run_cli(capsys, ["run", "mlp", "--size", "tiny", "--mesh", "batch=2", "--inputs",
+                                      str(tmp_path / f"{name}.npz"), "--report", str(report)])
+        assert rc == 0, err
+        reports.append(json.loads(report.read_text()))
+    assert reports[0]["verified"] and reports[1]["verified"]
+    assert reports[0]["max_abs_err"] == reports[1]["max_abs_err"]

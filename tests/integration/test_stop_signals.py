@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import wall
@@ -33,9 +34,28 @@ COMMANDS = {
     "validate": "validate --suite closed-form --report r.json",
     "run": "run transformer --size tiny --strategy bp+mp --mesh batch=2,model=2 --report r.json",
     "show": "show transformer --size t48 --strategy bp+mp --mesh batch=2,model=2 --output p.json",
+    "replay": "replay {trace} --hardware tpu-v4 --report r.json",
+    "fidelity": "fidelity --group all --report r.json",
 }
 # (signal, seconds after the start-up handlers are in): import, then tracing/lowering, then work
 MOMENTS = [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.3), (signal.SIGHUP, 0.7), (signal.SIGINT, 1.2)]
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:
+    """A message trace for `replay` to work on for a few seconds: sixteen ring all-reduces over 64
+    devices, the transfers the schedules predict (129,024 rows), outside the tests' own directories."""
+    from partir_emu.core.mesh import Mesh
+    from partir_emu.core.msgtrace import write_message_trace
+    from partir_emu.hwmodels.validation.replay import expected_rows
+    mesh = Mesh(batch=64)
+    head = {"format": "partir-emu-message-trace", "version": 2, "mesh": mesh.to_json(), "devices": 64,
+            "ranks": 64, "devices_per_rank": 1, "algorithm": "ring",
+            "collectives": {str(i): {"prim": "all_reduce", "axes": ["batch"], "bytes": (1 << 20) + 4 * i,
+                                     "itemsize": 4} for i in range(16)}}
+    path = tmp_path_factory.mktemp("trace") / "t.jsonl"
+    write_message_trace(path, head, np.concatenate([expected_rows(head, c, 4) for c in range(16)]))
+    return path
 
 
 def _caught(pid: int) -> set[int]:
@@ -51,8 +71,9 @@ def _caught(pid: int) -> set[int]:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status (Linux)")
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("sig, delay", MOMENTS, ids=[f"{s.name}+{d}s" for s, d in MOMENTS])
-def test_a_stop_signal_stops_the_command(command, sig, delay, tmp_path):
-    proc = subprocess.Popen([str(EXE), *COMMANDS[command].split()], cwd=tmp_path, env=dict(os.environ),
+def test_a_stop_signal_stops_the_command(command, sig, delay, tmp_path, trace):
+    argv = [part.format(trace=trace) for part in COMMANDS[command].split()]
+    proc = subprocess.Popen([str(EXE), *argv], cwd=tmp_path, env=dict(os.environ),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + wall(20)

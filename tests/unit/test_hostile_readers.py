@@ -101,6 +101,18 @@ def test_spec_reader(field, value):
     _timed(load_spec, DATA_DIR / "tpu-v4.toml", {field: value})
 
 
+@SETTINGS
+@given(st.one_of(_bomb_or_junk(), st.integers(1, 60_000).map(lambda n: b"q = " + b"{a=" * n + b"1" + b"}" * n),
+                 st.integers(1, 6000).map(lambda n: b"[chip]\nhbm_bytes = " + b"9" * n),
+                 st.text(max_size=300).map(str.encode)))
+def test_toml_spec_file_reader(tmp_path_factory, junk):
+    """A spec file of any bytes (junk, nesting bombs, long integers, random text) after a real spec's
+    text: a spec or a SpecError, quickly."""
+    path = tmp_path_factory.mktemp("toml") / "spec.toml"
+    path.write_bytes((DATA_DIR / "tpu-v4.toml").read_bytes() + b"\n" + junk)
+    _timed(load_spec, path)
+
+
 def test_the_fuzz_would_see_a_crash():
     """The harness itself: an error that is not a PartirError is not swallowed."""
     with pytest.raises(ZeroDivisionError):

@@ -32,6 +32,9 @@ from partir_emu.hwmodels.des.model import DesOptions, simulate_des
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.hwmodels.validation.replay import replay
 
+CHUNK_BYTES = 1 << 20     # --network chunk without --chunk-bytes
+TRACE_DEVICES = 8         # --trace without --trace-devices
+
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate-des", help="simulate one step with the discrete-event model (links, contention)")
@@ -42,7 +45,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="collective algorithm(s), as for `simulate` (default: as the runtime would choose)")
     p.add_argument("--network", choices=("flow", "chunk"), default="flow",
                    help="flow: max-min fair flows (default); chunk: store-and-forward chunks")
-    p.add_argument("--chunk-bytes", type=checks.positive_int, default=1 << 20, help="chunk size for --network chunk")
+    p.add_argument("--chunk-bytes", type=checks.positive_int, default=None,
+                   help=f"chunk size for --network chunk (default {CHUNK_BYTES:,})")
     add_fault_args(p, links=False)          # --comm-streams, --straggler (the link faults: _hardware_args)
     p.add_argument("--message-overhead", type=checks.nonnegative_seconds, default=0.0, metavar="SECONDS",
                    help="a sender posts the messages of a step one after another, this long each")
@@ -50,8 +54,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="devices finishing a collective this close together resume together (0 = exact)")
     p.add_argument("--no-symmetry", action="store_true", help="simulate every device as its own process")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--trace-devices", type=checks.positive_int, default=8,
-                   help="devices in the trace (default %(default)s)")
+    p.add_argument("--trace-devices", type=checks.positive_int, default=None,
+                   help=f"with --trace: devices in the trace (default {TRACE_DEVICES})")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
     p.add_argument("--top", type=checks.positive_int, default=10,
                    help="links and collectives to list (default %(default)s)")
@@ -59,7 +63,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_simulate_des)
 
     p = sub.add_parser("validate", help="analytical model vs DES on a suite of cases: errors, rankings, plot")
-    p.add_argument("--suite", default="default", help="suite name (default, closed-form, quick; default %(default)s)")
+    p.add_argument("--suite", default=None, help="suite name (default, closed-form, quick; default: default)")
     p.add_argument("--cases", default=None, metavar="FILE.jsonl",
                    help="run these cases instead (one JSON object per line: scenario, strategy, hardware, mesh, "
                         "preset, overrides, placement, overlap, hw_overrides, slice_dims, comm_streams, "
@@ -99,14 +103,19 @@ def _options(args: argparse.Namespace, **kw: Any) -> DesOptions:
 # -- simulate-des -----------------------------------------------------------------------------------------
 def cmd_simulate_des(args: argparse.Namespace) -> int:
     _check_paths(args, "--report", "--trace")
+    checks.only_with(args.chunk_bytes, "--chunk-bytes", args.network == "chunk", "with --network chunk")
+    checks.only_with(args.prefetch_bytes, "--prefetch-bytes", args.overlap, "with --overlap (the default)",
+                     "without overlap every gather blocks where it is used")
+    checks.only_with(args.trace_devices, "--trace-devices", args.trace is not None, "with --trace FILE.json")
+    checks.only_with(args.progress or None, "--progress", not args.quiet, "without --quiet")
     spec = load_spec(args.hardware)
     algorithms = parse_algorithms(args.algorithm)
     faults = fault_kwargs(args)          # the same faults and streams for both models
-    options = _options(args, network=args.network, chunk_bytes=args.chunk_bytes, comm_streams=faults["comm_streams"],
+    options = _options(args, network=args.network, chunk_bytes=args.chunk_bytes or CHUNK_BYTES, comm_streams=faults["comm_streams"],
                        stragglers=faults["stragglers"],
                        message_overhead_s=args.message_overhead, merge_window_s=args.merge_window,
                        symmetry=not args.no_symmetry, trace=args.trace is not None,
-                       trace_devices=args.trace_devices, top_links=args.top,
+                       trace_devices=args.trace_devices or TRACE_DEVICES, top_links=args.top,
                        progress=True if args.progress else (False if args.quiet else None))
     exp = experiment_from_args(args)
     checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, "simulate-des")
@@ -160,13 +169,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     _check_paths(args, "--report", "--plot")
     checks.check_cache_dir(args.cache, "--cache")
     cases: Sequence[Case]
+    checks.only_with(args.suite, "--suite", args.cases is None, "without --cases", "--cases names the cases to run")
+    checks.only_with(args.progress or None, "--progress", not args.quiet, "without --quiet")
     if args.cases is not None:
         checks.check_input_file(args.cases, "--cases")
         cases = read_cases(args.cases)
         name = args.cases
     else:
-        cases = get_suite(args.suite)
-        name = args.suite
+        name = args.suite or "default"
+        cases = get_suite(name)
     show = args.progress or (sys.stderr.isatty() and not args.quiet)
 
     def on_case(i: int, n: int, r) -> None:

@@ -19,7 +19,7 @@ from partir_emu.app.cli import des as des_cli
 from partir_emu.app.cli import exits
 from partir_emu.app.cli import fidelity as fidelity_cli
 from partir_emu.app.cli import simulate as simulate_cli
-from partir_emu.app.cli.mpi_run import run_mpi_cli
+from partir_emu.app.cli.mpi_run import MPI_TIMEOUT_S, run_mpi_cli
 from partir_emu.app.cli.phases import Phases
 from partir_emu.app.common import add_experiment_args, experiment_from_args, print_warnings, write_report
 from partir_emu.app.experiment import run_local
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mpi backend: number of devices (= mesh size)")
     p.add_argument("--devices-per-rank", type=checks.positive_int, default=None,
                    help="mpi backend: emulated devices per MPI rank (default 1)")
-    p.add_argument("--timeout", type=checks.seconds, default=300.0, help="seconds before the MPI job is stopped")
+    p.add_argument("--timeout", type=checks.seconds, default=None,
+                   help=f"--backend mpi: seconds before the MPI job is stopped (default {MPI_TIMEOUT_S:g})")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)   # tests: partir_emu.mpi.faults
     p.add_argument("--trace-messages", default=None, help="mpi backend: write every transfer to this file")
     p.add_argument("--inputs", default=None, help="load inputs from this .npz instead of generating them")

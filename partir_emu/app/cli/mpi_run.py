@@ -126,6 +126,13 @@ def _run_stats(st: dict) -> dict:
             "rss_bytes_max": int(max(st["rss_bytes"]))}
 
 
+MPI_TIMEOUT_S = 300.0       # `run --backend mpi` without --timeout
+
+
+def _timeout(args: argparse.Namespace) -> float:
+    return MPI_TIMEOUT_S if args.timeout is None else args.timeout
+
+
 def run_mpi_cli(exp: Experiment, args: argparse.Namespace) -> dict | None:
     """``partir-emu run --backend mpi``: the report (on rank 0 / the launcher), None on other ranks."""
     if under_mpirun():
@@ -152,7 +159,7 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
             save_inputs(Path(tmp) / "inputs.npz", spmd.input_names, inputs)
             job = {"program": str(Path(tmp) / "program.json"), "inputs": str(Path(tmp) / "inputs.npz"),
                    "algorithm": algorithm, "kernels": args.kernels, "devices_per_rank": k, "trace": trace}
-            run = MpiRun([job], n // k, timeout_s=args.timeout, workdir=tmp, fault=args.inject_fault)
+            run = MpiRun([job], n // k, timeout_s=_timeout(args), workdir=tmp, fault=args.inject_fault)
             try:
                 announce("launch, step (and the references meanwhile)")
                 run.start()
@@ -194,15 +201,15 @@ def run_in_ranks(exp: Experiment, args: argparse.Namespace) -> dict | None:
         raise MeshError(f"{exp.mesh} has {n} devices but mpirun started {nranks} ranks × --devices-per-rank {k}; "
                         f"use -n {n // k}, or --devices-per-rank {n // nranks if n % nranks == 0 else '?'}")
     t0 = time.perf_counter()
-    guard = worker.guard_under_mpirun(comm, args.timeout)
-    spmd = worker.broadcast_program(comm, guard, lambda: _lower_and_warn(exp), args.timeout)
+    guard = worker.guard_under_mpirun(comm, _timeout(args))
+    spmd = worker.broadcast_program(comm, guard, lambda: _lower_and_warn(exp), _timeout(args))
     lower_s = time.perf_counter() - t0
     with guard:
         inputs = (load_inputs_npz(args.inputs, spmd.input_names) if args.inputs else
                   numpy_inputs(exp.scenario_name, exp.preset, exp.overrides, exp.seed))
         job = {"algorithm": algorithm, "kernels": args.kernels, "devices_per_rank": k, "trace": args.trace_messages,
                "fault": args.inject_fault}
-        res = worker.run_job(comm, spmd, job, guard, inputs=inputs, timeout_s=args.timeout)
+        res = worker.run_job(comm, spmd, job, guard, inputs=inputs, timeout_s=_timeout(args))
     guard.close()
     if rank != 0:
         return None

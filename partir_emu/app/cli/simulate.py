@@ -106,6 +106,8 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
     # cheap checks first: a bad path, spec, algorithm, slice or mesh fails before the (slow) lowering
     checks.check_output_path(getattr(args, "report", None), "--report")
     spec = load_spec(args.hardware)
+    checks.only_with(args.prefetch_bytes, "--prefetch-bytes", args.overlap, "with --overlap (the default)",
+                     "without overlap every gather blocks where it is used")
     algorithms = parse_algorithms(args.algorithm)
     faults = fault_kwargs(args)
     slice_dims = parse_slice(args.slice_dims)

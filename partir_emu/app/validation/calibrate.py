@@ -22,18 +22,14 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from partir_emu.app.programs import ProgramCache
 from partir_emu.app.validation.fidelity import run_case
 from partir_emu.app.validation.fidelity_data import FidelityDataError, PublishedRun
+from partir_emu.errors import SpecError
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.machine.specs import HardwareSpec
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
+from partir_emu.limits import load_toml
 
 LOW, HIGH = 0.2, 1.0      # the fraction is searched in this interval
 TOLERANCE = 1e-4          # bisection stops when the interval is this narrow
@@ -126,8 +122,8 @@ def calibrate(chip: str, cases: Sequence[PublishedRun], *, programs: ProgramCach
 def _fraction_source(spec: HardwareSpec) -> str:
     """The ``matmul_peak_fraction_source`` string of the spec's file ("" if it has none)."""
     try:
-        data = tomllib.loads(Path(spec.path).read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        data = load_toml(spec.path, SpecError, "hardware spec")
+    except SpecError:
         return ""
     return str(data.get("efficiency", {}).get("matmul_peak_fraction_source", ""))
 

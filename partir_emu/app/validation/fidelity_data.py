@@ -32,11 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from partir_emu.errors import PartirError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
+from partir_emu.limits import load_toml
 
 DATA_FILE = "fidelity.toml"
 GROUPS = ("required", "extra")
@@ -218,13 +214,7 @@ def default_path() -> Path:
 def load_cases(path: str | Path | None = None) -> list[PublishedRun]:
     """Every case of the data file (default: the packaged one), checked, in file order."""
     path = Path(path) if path is not None else default_path()
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as exc:
-        raise FidelityDataError(f"fidelity data {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise FidelityDataError(f"fidelity data {path}: not valid TOML ({exc})") from None
+    doc = load_toml(path, FidelityDataError, "fidelity data file")
     unknown = sorted(set(doc) - {"case"})
     if unknown:
         raise FidelityDataError(f"fidelity data {path}: unknown top-level key {unknown[0]!r}; write each case as [[case]]")

@@ -37,11 +37,7 @@ from typing import Any
 
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec, EfficiencySpec, parse_compiler, parse_efficiency
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # why: redef only where tomllib exists
+from partir_emu.limits import load_toml
 
 DATA_DIR = Path(__file__).parents[1] / "data"
 ENV_VAR = "PARTIR_EMU_HW_PATH"
@@ -79,7 +75,8 @@ RANGES = {"flops_bf16_per_s": (1e9, 1e18, "FLOP/s"), "flops_f32_per_s": (1e9, 1e
           "vector_flops_per_s": (1e9, 1e18, "FLOP/s"),
           "bw_bytes_per_s": (1e6, 1e15, "B/s"), "latency_s": (1e-10, 1.0, "s"), "links_per_chip": (1, 64, ""),
           "gpus_per_node": (1, 1024, ""), "nics_per_node": (1, 1024, ""), "nodes_per_leaf": (1, 1 << 20, ""),
-          "nodes_per_su": (1, 1 << 20, ""), "max_nodes": (1, 1 << 20, "")}
+          "nodes_per_su": (1, 1 << 20, ""), "max_nodes": (1, 1 << 20, ""),
+          "pod_dims": (1, 4096, "chips per torus dim"), "cube": (1, 4096, "chips per cube dim")}
 
 
 @dataclass(frozen=True)
@@ -243,15 +240,7 @@ class SpecLoader:
 
 def _read(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """The parsed TOML of ``path`` with ``overrides`` applied."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path}: not valid TOML ({exc})") from None
-    except UnicodeDecodeError as exc:       # TOML is UTF-8: a binary or Latin-1 file fails here
-        raise SpecError(f"{path}: not a TOML file (byte {exc.start} is not UTF-8 text)") from None
-    except OSError as exc:
-        raise SpecError(f"cannot read hardware spec {path}: {exc.strerror}") from None
+    data = load_toml(path, SpecError, "hardware spec")
     for key, value in (overrides or {}).items():
         table, _, fld = key.rpartition(".")
         target = data.setdefault(table, {}) if table else data
@@ -318,10 +307,11 @@ def _check_ranges(vals: Mapping[str, Mapping[str, Any]], where: str) -> None:
     for table, fields in vals.items():
         for key, value in fields.items():
             rng = next((r for end, r in RANGES.items() if key.endswith(end)), None)
-            if rng is not None and isinstance(value, (int, float)) and not rng[0] <= value <= rng[1]:
-                raise SpecError(f"{where}: field {table}.{key} = {value:g} is outside the sensible range "
-                                f"[{rng[0]:g}, {rng[1]:g}] {rng[2]}; fix it, or put what_if = true at the top "
-                                f"of the spec for a study beyond real hardware")
+            for v in value if isinstance(value, tuple) else (value,):      # a list: each entry
+                if rng is not None and isinstance(v, (int, float)) and not rng[0] <= v <= rng[1]:
+                    raise SpecError(f"{where}: field {table}.{key} = {v if isinstance(v, int) else f'{v:g}'} is outside the sensible range "
+                                    f"[{rng[0]:g}, {rng[1]:g}] {rng[2]}; fix it, or put what_if = true at the top "
+                                    f"of the spec for a study beyond real hardware")
 
 
 def _check_table(sub: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]], where: str, prefix: str,

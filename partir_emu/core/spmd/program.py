@@ -40,7 +40,6 @@ SpmdPrograms from files written here.
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
 from collections import Counter, defaultdict
@@ -50,11 +49,11 @@ from typing import Any
 
 import numpy as np
 
-from partir_emu.core.dtypes import np_dtype
-from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var, nbytes
+from partir_emu.core.ir import Atom, Eqn, Program, nbytes
 from partir_emu.core.loops import LOOP, iteration_order, walk
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.sharding import Sharding
+from partir_emu.core.spmd import format as spmd_format
 from partir_emu.errors import ArtifactError, CollectiveError, PartirError
 from partir_emu.limits import loads
 
@@ -216,18 +215,10 @@ class SpmdProgram:
 
     # -- file format ----------------------------------------------------------------
     def to_json(self) -> dict:
-        p = self.program
-        return {
-            "format": FORMAT, "version": VERSION,
-            "mesh": self.mesh.to_json(),
-            "inputs": [{"var": _var_json(v), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
-                       for v, n, s, g in zip(p.inputs, p.input_names, self.in_shardings, self.global_in_shapes)],
-            "consts": _consts_json(p),
-            "eqns": _eqns_json(p),
-            "outputs": [{"atom": _atom_json(a), "name": n, "sharding": s.to_json(), "global_shape": list(g)}
-                        for a, n, s, g in zip(p.outputs, p.output_names, self.out_shardings, self.global_out_shapes)],
-            "meta": self.meta,
-        }
+        return {"format": FORMAT, "version": VERSION, "mesh": self.mesh.to_json(),
+                **spmd_format.program_json(self.program, self.in_shardings, self.out_shardings,
+                                           self.global_in_shapes, self.global_out_shapes),
+                "meta": self.meta}
 
     @classmethod
     def from_json(cls, d: dict, where: str = "<json>") -> SpmdProgram:
@@ -239,23 +230,34 @@ class SpmdProgram:
             raise ArtifactError(f"{where}: format version {d.get('version')!r}; this partir_emu reads version "
                                 f"{' or '.join(map(str, READABLE_VERSIONS))}. Re-lower the program with this version.")
         try:
-            r = _Reader()
-            inputs = tuple(r.var(i["var"]) for i in d["inputs"])
-            consts = r.consts(d["consts"])
-            eqns = r.eqns(d["eqns"])
-            prog = Program(inputs, tuple(i["name"] for i in d["inputs"]), eqns,
-                           tuple(r.atom(o["atom"]) for o in d["outputs"]), tuple(o["name"] for o in d["outputs"]),
-                           consts)
-            return cls(Mesh.from_json(d["mesh"]), prog,
-                       tuple(Sharding.from_json(i["sharding"]) for i in d["inputs"]),
-                       tuple(Sharding.from_json(o["sharding"]) for o in d["outputs"]),
-                       tuple(tuple(i["global_shape"]) for i in d["inputs"]),
-                       tuple(tuple(o["global_shape"]) for o in d["outputs"]),
-                       dict(d.get("meta", {})))
+            spmd = cls(Mesh.from_json(d["mesh"]), *spmd_format.read_program(d, where), dict(d.get("meta", {})))
+            spmd.check_layout(where)
+            return spmd
         except (KeyError, TypeError, ValueError, IndexError, AssertionError, AttributeError, PartirError) as exc:
             if isinstance(exc, ArtifactError):
                 raise
             raise ArtifactError(f"{where}: malformed SPMD program ({type(exc).__name__}: {exc})") from None
+
+    def check_layout(self, where: str) -> None:
+        """The program fits its mesh: each input's and output's local shape is its global shape under
+        its sharding on this mesh, and every collective names axes of the mesh. A program edited to
+        another mesh, or lowered for one, fails here (:class:`ArtifactError`) instead of running."""
+        ends: list[tuple[str, str, Atom, Sharding, tuple[int, ...]]] = [
+            ("input", n, v, s, g) for n, v, s, g in
+            zip(self.program.input_names, self.program.inputs, self.in_shardings, self.global_in_shapes)]
+        ends += [("output", n, a, s, g) for n, a, s, g in
+                 zip(self.program.output_names, self.program.outputs, self.out_shardings, self.global_out_shapes)]
+        for kind, name, atom, sharding, global_shape in ends:
+            sharding.validate(global_shape, self.mesh, f"{where}: {kind} {name!r}")
+            local = sharding.local_shape(global_shape, self.mesh)
+            if local != tuple(atom.shape):
+                raise ArtifactError(f"{where}: {kind} {name!r} is {list(atom.shape)} on a device, but its global "
+                                    f"shape {list(global_shape)} sharded {sharding} on {self.mesh} gives "
+                                    f"{list(local)}; the program was lowered for another mesh")
+        for e, _ in walk(self.program):
+            if e.prim in COLLECTIVE_PRIMS:
+                for axis in e.params.get("axes", ()):
+                    self.mesh.check_axis(axis)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -287,100 +289,3 @@ def _executed(program: Program) -> Iterator[Eqn]:
             body = list(_executed(e.params["body"]))
             for _ in iteration_order(e):
                 yield from body
-
-
-# -- file format helpers: one Var-id space across a program and its loop bodies --------------
-def _var_json(v: Var) -> list:
-    return [v.id, list(v.shape), v.dtype]
-
-
-def _atom_json(a: Atom) -> Any:
-    return a.id if isinstance(a, Var) else {"lit": a.value, "dtype": a.dtype}
-
-
-def _consts_json(p: Program) -> list:
-    return [{"var": _var_json(v), "data": base64.b64encode(np.ascontiguousarray(c).tobytes()).decode()}
-            for v, c in p.consts]
-
-
-def _eqns_json(p: Program) -> list:
-    return [{"prim": e.prim, "in": [_atom_json(a) for a in e.inputs], "out": [_var_json(o) for o in e.outputs],
-             "params": _params_json(e), "source": e.source, **({"kernel": e.kernel} if e.kernel else {})}
-            for e in p.eqns]
-
-
-def _params_json(e: Eqn) -> dict:
-    params = dict(e.params)
-    body = params.pop("body", None) if e.prim == LOOP else None
-    out = _jsonable(params)
-    if isinstance(body, Program):
-        out["body"] = {"inputs": [_var_json(v) for v in body.inputs], "input_names": list(body.input_names),
-                       "consts": _consts_json(body), "eqns": _eqns_json(body),
-                       "outputs": [_atom_json(a) for a in body.outputs], "output_names": list(body.output_names)}
-    return out
-
-
-class _Reader:
-    """Rebuilds Vars, constants and equations (loop bodies nested) from the file format."""
-
-    def __init__(self) -> None:
-        self.vars: dict[int, Var] = {}
-
-    def var(self, t: list) -> Var:
-        v = Var(int(t[0]), tuple(int(x) for x in t[1]), str(t[2]))
-        self.vars[v.id] = v
-        return v
-
-    def atom(self, a: Any) -> Atom:
-        return Literal(a["lit"], a["dtype"]) if isinstance(a, dict) else self.vars[a]
-
-    def consts(self, cs: list) -> tuple[tuple[Var, np.ndarray], ...]:
-        out = []
-        for c in cs:
-            v = self.var(c["var"])
-            arr = np.frombuffer(base64.b64decode(c["data"]), dtype=np_dtype(v.dtype)).reshape(v.shape).copy()
-            out.append((v, arr))
-        return tuple(out)
-
-    def eqns(self, es: list) -> tuple[Eqn, ...]:
-        out = []
-        for e in es:
-            ins = tuple(self.atom(a) for a in e["in"])
-            params = dict(e["params"])
-            body = params.pop("body", None) if e["prim"] == LOOP else None
-            params = _untuple(params)
-            if body is not None:
-                params["body"] = self.body(body)
-            outs = tuple(self.var(o) for o in e["out"])
-            out.append(Eqn(e["prim"], ins, outs, params, e.get("source", ""), e.get("kernel", "")))
-        return tuple(out)
-
-    def body(self, b: dict) -> Program:
-        inputs = tuple(self.var(v) for v in b["inputs"])
-        consts = self.consts(b["consts"])
-        eqns = self.eqns(b["eqns"])
-        return Program(inputs, tuple(b["input_names"]), eqns, tuple(self.atom(a) for a in b["outputs"]),
-                       tuple(b["output_names"]), consts)
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x
-
-
-def _untuple(x: Any) -> Any:
-    # params never hold lists, so every JSON list was a tuple
-    if isinstance(x, dict):
-        return {k: _untuple(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return tuple(_untuple(v) for v in x)
-    return x
