@@ -133,6 +133,8 @@ class MpiRun:
         try:
             return self._wait()
         finally:
+            if self.process is not None:
+                self.process.remove_hwloc()
             if self.reaper is not None:
                 self.reaper.stand_down()
 

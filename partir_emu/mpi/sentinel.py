@@ -6,13 +6,15 @@ one died, and nobody removes MPICH's ``/dev/shm/mpich_shm_*`` segment. So the fi
 each host starts this process (:func:`partir_emu.mpi.ranks.worker.guard_under_mpirun`) in a
 session of its own, where mpiexec's clean-up does not reach it::
 
-    python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak]
+    python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak] [--proxy PID]
 
 ``DIR`` holds the progress records of the host's ``N`` ranks, each ``flock``-ed by its rank
 while it lives (:class:`~partir_emu.mpi.supervise.DeathWatch` learns each exit). Once all
 ``N`` have exited it removes the segments the ranks reported and ``DIR``, and with
 ``--speak`` (the host of rank 0) prints at most one line to the stderr it shares with the
-ranks (mpiexec forwards it, and waits for it to close before it exits):
+ranks (mpiexec forwards it, and waits for it to close before it exits). With ``--proxy PID`` (the
+ranks' parent, hydra's proxy) it also removes the proxy's ``/tmp/hydra_hwloc_xmlfile_*`` once the
+proxy has ended without doing so (killed with mpiexec):
 
 - a rank that died without a word: ``partir-emu rank R device D op K (…): died without a
   message; it was the first rank to exit, …`` (a rank that failed knowingly printed its own:
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partir_emu.mpi.failure_report import silent_death_lines
-from partir_emu.mpi.supervise import DeathWatch, remove_segments
+from partir_emu.mpi.supervise import DeathWatch, proxy_files, remove_hwloc, remove_segments
 from partir_emu.runtime.progress import read_records
 
 
@@ -62,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, required=True, help="ranks on this host")
     ap.add_argument("--deadline", type=float, default=math.inf, help="give up after this many seconds")
     ap.add_argument("--speak", action="store_true", help="print the line (one host of the job does)")
+    ap.add_argument("--proxy", type=int, default=None, help="the ranks' parent (hydra's proxy) on this host")
     args = ap.parse_args(argv)
+    held, started = proxy_files(args.proxy) if args.proxy else (set(), None)
     for s in (signal.SIGINT, signal.SIGHUP):    # the terminal's signals are the ranks' to handle
         signal.signal(s, signal.SIG_IGN)
     watch = DeathWatch(Path(args.dir))
@@ -81,6 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
         except OSError:                         # mpiexec is gone (SIGHUP): nobody to tell
             pass
+    if held:
+        # a proxy killed with mpiexec (SIGHUP) leaves its hwloc file in /tmp; a live one removes it as
+        # it ends, which it does only once our stdout and stderr (its pipes) are closed: close them first
+        for fd in (1, 2):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        remove_hwloc(held, args.proxy, started, wait_s=5.0)
     return 0
 
 

@@ -34,6 +34,8 @@ from partir_emu.errors import EmulationError
 from partir_emu.runtime.progress import read_record
 
 SHM_PREFIX = "/dev/shm/mpich_shm"
+HWLOC_PREFIX = "/tmp/hydra_hwloc_xmlfile_"
+HWLOC_SCAN_S = 0.25         # how often a waiting launcher looks for its proxies' hwloc files
 
 
 def mpiexec_path() -> Path:
@@ -130,6 +132,7 @@ def _terminate(ident: dict[int, int], pgid: int, grace_s: float, done: Callable[
     """SIGTERM the group ``pgid`` and the processes ``ident`` (pid -> start time: a pid reused by
     another process is never signalled), then SIGKILL whatever is left ``grace_s`` later (``done``:
     whether the group's leader has ended too)."""
+    held = hwloc_files(ident)
     _killpg(pgid, signal.SIGTERM)
     _signal(list(ident), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -140,6 +143,54 @@ def _terminate(ident: dict[int, int], pgid: int, grace_s: float, done: Callable[
     _signal(left, signal.SIGKILL)
     if not done():
         _killpg(pgid, signal.SIGKILL)
+    remove_hwloc(held)              # a proxy killed before its own clean-up leaves its file in /tmp
+
+
+def remove_hwloc(paths: Iterable[str], holder: int | None = None, started: int | None = None,
+                 wait_s: float = 0.0) -> list[str]:
+    """Unlink the hydra hwloc files among ``paths`` (nothing else is touched); with a ``holder``
+    (the proxy's pid and ``started``, its start time) only once it has ended, waiting up to
+    ``wait_s`` for that: a live proxy removes its own file when it ends. The removed ones."""
+    if holder is not None:
+        deadline = time.monotonic() + wait_s
+        while _start_time(holder) == started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _start_time(holder) == started:
+            return []
+    removed = []
+    for path in sorted(paths):
+        if path.startswith(HWLOC_PREFIX):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def proxy_files(pid: int) -> tuple[set[str], int | None]:
+    """The hwloc files process ``pid`` (a rank's parent: hydra's proxy) holds, and its start time."""
+    return hwloc_files([pid]), _start_time(pid)
+
+
+def hwloc_files(pids: Iterable[int]) -> set[str]:
+    """The hwloc topology files that hydra's proxies among ``pids`` hold open. A proxy writes one
+    per job to ``/tmp/hydra_hwloc_xmlfile_XXXXXX`` (the path is compiled in: TMPDIR does not move
+    it) and removes it when it ends normally; stopped by a signal, it leaves it behind for good."""
+    out = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(HWLOC_PREFIX):
+                out.add(target)
+    return out
 
 
 def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[int] = (), grace_s: float = 3.0) -> None:
@@ -179,6 +230,7 @@ class Supervised:
         self.proc: subprocess.Popen | None = None
         self.start_wall = 0.0
         self.shm_before: set[str] = set()
+        self.hwloc: set[str] = set()
         self._t0 = 0.0
         self._logs: list[Any] = []
 
@@ -193,6 +245,7 @@ class Supervised:
         except OSError as exc:
             self.close_logs()
             raise EmulationError(f"cannot start {self.cmd[0]}: {exc}") from None
+        threading.Thread(target=self._scan_hwloc, name="partir-emu-hwloc-scan", daemon=True).start()
         return self
 
     def wait(self, budget_s: float) -> tuple[int | None, bool]:
@@ -203,6 +256,20 @@ class Supervised:
             return self.proc.returncode, False
         except subprocess.TimeoutExpired:
             return None, True
+
+    def _scan_hwloc(self) -> None:
+        """Until it finds them or mpiexec ends, look for the hwloc files the job's proxies hold
+        (:attr:`hwloc`): a proxy that hydra kills after a rank failure leaves its file in /tmp, and
+        the launcher may be busy elsewhere (the references) while that happens."""
+        assert self.proc is not None
+        while not self.hwloc and self.proc.poll() is None:
+            self.hwloc = hwloc_files(descendants(self.proc.pid))
+            time.sleep(HWLOC_SCAN_S)
+
+    def remove_hwloc(self) -> None:
+        """Once mpiexec has ended (its proxies with it), unlink the hwloc files they left."""
+        if self.proc is not None and self.proc.poll() is not None:
+            remove_hwloc(self.hwloc)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,30 @@ def pytest_collection_modifyitems(config, items):
         if Path(str(item.fspath)).parent == here:      # the ``mpi`` marker: tests/conftest.py, by folder
             if not MPIEXEC.exists():
                 item.add_marker(pytest.mark.skip(reason=f"no mpiexec at {MPIEXEC}; pip install mpich mpi4py"))
+
+
+def _hwloc_now() -> set[str]:
+    return {str(p) for p in Path("/tmp").glob("hydra_hwloc_xmlfile_*")}
+
+
+def _held() -> set[str]:
+    from partir_emu.mpi.supervise import hwloc_files
+    return hwloc_files(int(d) for d in os.listdir("/proc") if d.isdigit())
+
+
+@pytest.fixture(autouse=True)
+def no_hwloc_file_left():
+    """Every MPI test: no /tmp/hydra_hwloc_xmlfile_* left that no process holds (hydra's proxy
+    writes one per job and removes it only when it ends normally; one killed after a rank failure
+    or a stop left it for good). Another worker's job may hold or remove its own meanwhile: only
+    new files that nobody holds and that are still there a moment later count."""
+    before = _hwloc_now()
+    yield
+    new = _hwloc_now() - before
+    if new:
+        time.sleep(0.5)
+        left = {f for f in new if os.path.exists(f)} - _held()
+        assert not left, f"hydra hwloc files left in /tmp (by this test or one beside it): {sorted(left)}"
 
 
 @functools.cache

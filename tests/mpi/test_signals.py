@@ -76,6 +76,25 @@ def _mapped_shm(pids) -> set[str]:
     return out
 
 
+def _held_hwloc(pids) -> set[str]:
+    """The /tmp/hydra_hwloc_xmlfile_* files the job's processes hold open (hydra's proxy writes
+    one per job; a proxy killed by a signal used to leave it in /tmp for good)."""
+    out = set()
+    for p in pids:
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/tmp/hydra_hwloc_xmlfile_"):
+                out.add(target)
+    return out
+
+
 def _with_marker(marker: str) -> list[int]:
     """Live processes whose environment or command line holds ``marker`` (the test's TMPDIR)."""
     out = []
@@ -143,7 +162,7 @@ def _assert_nothing_left(tmp_path: Path, tree: dict[int, str], sid: int, shm: se
         time.sleep(0.1)
     cmds = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in set(alive) if _live(p)}
     assert not alive, f"processes left behind: {cmds}"
-    assert not left_shm, f"/dev/shm segments left behind: {left_shm}"
+    assert not left_shm, f"/dev/shm segments or hydra hwloc files left behind: {left_shm}"
     assert not temp, f"temp directories left behind: {temp}"
 
 
@@ -156,6 +175,7 @@ def _signal_once_running(proc: subprocess.Popen, pattern: str, sig: signal.Signa
         tree = _tree(proc.pid)
         shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
         assert shm, "the ranks map no MPICH segment"
+        shm |= _held_hwloc(tree)
         t0 = time.monotonic()
         if group:
             os.killpg(proc.pid, sig)
@@ -269,6 +289,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(tmp_path):
         tree = _tree(proc.pid)
         shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
         assert shm, "the ranks map no MPICH segment"
+        shm |= _held_hwloc(tree)
         ranks = [p for p in tree if p != proc.pid]
         assert ranks, "the launcher has no mpiexec below it"
         proc.kill()

@@ -164,7 +164,8 @@ def _start_sentinel(progress_dir: str, ranks: int, timeout_s: float | None, spea
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP_ENV)}
     root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "partir_emu.mpi.sentinel", "--dir", progress_dir, "--ranks", str(ranks)]
+    cmd = [sys.executable, "-m", "partir_emu.mpi.sentinel", "--dir", progress_dir, "--ranks", str(ranks),
+           "--proxy", str(os.getppid())]
     if timeout_s:
         cmd += ["--deadline", str(timeout_s + 60.0)]     # the ranks' watchdogs end them by timeout_s
     if speak:
