@@ -269,3 +269,25 @@ def test_calibration_with_one_case_and_an_unknown_chip(tmp_path, capsys):
     assert row.rstrip().endswith("-")
     assert main(["fidelity", "--data", data, "--fit", "tpu-v3"]) != 0
     assert "tpu-v3" in capsys.readouterr().err
+
+
+def test_explain_breaks_a_prediction_down(tmp_path, capsys):
+    """``--explain`` (issue 23 item 5): predicted against measured in the source's metric and as a
+    step, the time by op kind with the matmul rate against the chip's peak, exposed communication
+    by axes and memory by category: the same figures the JSON report holds."""
+    path = tiny_data(tmp_path, dict(n="a", group="required", measured=1e-4, metric="step_s",
+                                    convention="iteration_time"))
+    report = tmp_path / "r.json"
+    assert main(["fidelity", "--data", path, "--case", "tiny-a", "--explain", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    c = json.loads(report.read_text())["cases"][0]
+    text = out[out.index("== tiny-a"):]
+    assert f"step {c['predicted_step_s']:.4f} s: error {c['error_pct']:+.1f}%" in text
+    mm = c["by_op_kind"]["matmul"]
+    share = 100 * mm["flops"] / mm["time_s"] / load_spec("tpu-v4").flops_bf16_per_s
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("matmul ")]
+    assert line.split()[4] == f"{share:.1f}%", line
+    assert f"exposed {c['exposed_comm_s']:.4f} s" in text
+    assert "memory: peak" in text and ("-> fits" in text) == c["fits"]
+    assert main(["fidelity", "--data", path, "--explain"]) == 2            # it explains the cases named
+    assert "--explain applies only with --case" in capsys.readouterr().err

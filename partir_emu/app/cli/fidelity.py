@@ -10,7 +10,7 @@ from partir_emu.app.atomic import atomic_path
 from partir_emu.app.cli.phases import Phases
 from partir_emu.app.common import write_report
 from partir_emu.app.validation.calibrate import calibrate
-from partir_emu.app.validation.fidelity import run_cases
+from partir_emu.app.validation.fidelity import explain, run_cases
 from partir_emu.app.validation.fidelity_data import load_cases, select
 from partir_emu.errors import UsageError
 
@@ -28,6 +28,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fit", default=None, metavar="CHIP",
                    help="fit CHIP's sustained matmul fraction to its cases in the data file and print it with "
                         "each case's leave-one-out error (see partir_emu.app.validation.calibrate)")
+    p.add_argument("--explain", action="store_true",
+                   help="with --case: print why each prediction is what it is (time by op kind and the rate it "
+                        "achieved, exposed communication by axes, memory by category)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(fn=cmd_fidelity)
 
@@ -35,6 +38,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def cmd_fidelity(args: argparse.Namespace) -> int:
     checks.check_output_path(args.report, "--report")
     checks.check_plot_path(args.plot, "--plot")
+    checks.only_with(args.explain or None, "--explain", bool(args.cases), "with --case NAME ...",
+                     "it explains the cases named")
     if args.fit:
         print(calibrate(args.fit, load_cases(args.data)).table())
         return 0
@@ -48,6 +53,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         with atomic_path(args.plot) as tmp:
             rep.plot(tmp)
     print(rep.table())
+    for r in rep.results if args.explain else ():
+        print("\n" + explain(r))
     for path in (args.report, args.plot if rep.results else None):
         if path:
             print(f"wrote {path}")

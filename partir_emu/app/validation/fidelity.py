@@ -54,6 +54,7 @@ class FidelityResult:
     sim: SimReport                      # its mfu (model FLOPs) and hfu (matmul FLOPs executed) are predictions
     model_flops_per_device: float
     measured_mfu: float                 # the same model FLOPs over the measured step (comparable to sim.mfu)
+    peak_flops: float = 0.0             # the chip's bf16 peak FLOP/s (the spec's)
 
     @property
     def error_pct(self) -> float:
@@ -75,6 +76,45 @@ class FidelityResult:
             "peak_bytes_per_device": sim.peak_bytes_per_device, "fits": sim.fits,
             "by_op_kind": sim.by_op_kind, "by_collective": sim.by_collective, "by_axes": sim.by_axes,
         }
+
+
+def explain(r: FidelityResult) -> str:
+    """Why the prediction of ``r`` is what it is: predicted against measured, the time by op kind
+    with the rate each kind achieved, communication by mesh axes and how much of it is exposed,
+    memory by category, and what the model leaves out (``fidelity --case NAME --explain``)."""
+    c, sim = r.case, r.sim
+    gap_s = r.measured_step_s - r.predicted_step_s
+    lines = [f"== {c.case}: {c.hardware} x {c.chips}, {c.strategy} on {dict(c.mesh)}, global batch {c.global_batch}",
+             f"source: {c.source}",
+             f"measured {c.measured:.4g} {c.metric} -> step {r.measured_step_s:.4f} s by {c.convention} "
+             f"({CONVENTIONS[c.convention].formula})",
+             f"predicted {r.predicted:.4g} {c.metric}, step {r.predicted_step_s:.4f} s: error {r.error_pct:+.1f}% "
+             f"(the measured step is {abs(gap_s):.4f} s {'longer' if gap_s > 0 else 'shorter'}: "
+             f"{100 * abs(gap_s) / r.predicted_step_s:.1f}% of the prediction)",
+             f"MFU predicted {_pct(sim.mfu)}, from the measured step {_pct(r.measured_mfu)}, published "
+             f"{_pct(c.published_mfu)};  HFU predicted {_pct(sim.hfu)}, published {_pct(c.published_hfu)}", "",
+             f"{'op kind':<14}{'time s':>10}{'of compute':>12}{'TFLOP/s':>10}{'of peak':>9}{'GB/s':>10}   "
+             f"(of peak: of the bf16 matmul peak)"]
+    for kind, row in sorted(sim.by_op_kind.items(), key=lambda kv: -kv[1]["time_s"]):
+        t = row["time_s"]
+        rate = row["flops"] / t if t > 0 else 0.0
+        share = f"{100 * t / sim.compute_s:.1f}%" if kind != "collective" and sim.compute_s > 0 else "-"
+        lines.append(f"{kind:<14}{t:>10.4f}{share:>12}{rate / 1e12:>10.1f}"
+                     f"{(f'{100 * rate / r.peak_flops:.1f}%' if kind == 'matmul' and r.peak_flops else '-'):>9}"
+                     f"{(row['bytes'] / t / 1e9 if t > 0 else 0.0):>10.0f}")
+    lines += ["", f"communication {sim.comm_s:.4f} s in all, exposed {sim.exposed_comm_s:.4f} s "
+                  f"({100 * sim.exposed_comm_s / sim.step_s if sim.step_s else 0.0:.1f}% of the step)"]
+    for axes, row in sorted(sim.by_axes.items(), key=lambda kv: -kv[1]["time_s"]):
+        lines.append(f"  over ({axes}): {int(row['count'])} collectives, {row['bytes'] / 1e9:.3f} GB, "
+                     f"{row['time_s']:.4f} s")
+    gib = 2 ** 30
+    lines += ["", f"memory: peak {sim.peak_bytes_per_device / gib:.2f} GiB of {sim.hbm_bytes / gib:.2f} GiB "
+                  f"-> {'fits' if sim.fits else 'DOES NOT FIT (the run did run)'}",
+              "  " + "  ".join(f"{k} {v / gib:.2f}" for k, v in sim.memory.items() if v),
+              "", "not in the model: the software stack around the kernels (launch and CPU overheads per layer, "
+                  "how far FSDP prefetches, the precision of gradient reductions), causal skipping in attention "
+                  "kernels, the allocator's fragmentation (issue 23)"]
+    return "\n".join(lines)
 
 
 def experiment(case: PublishedRun) -> Experiment:
@@ -102,7 +142,7 @@ def run_case(case: PublishedRun, programs: ProgramCache, analyzer: Analyzer, *,
     flops = case.flops_per_step(exp.cfg, params)
     measured_s = case.measured_step_s(flops)
     return FidelityResult(case, params, flops, measured_s, sim.step_s, case.to_metric(sim.step_s, flops), sim,
-                      model_flops, model_flops / (measured_s * spec.flops_bf16_per_s))
+                          model_flops, model_flops / (measured_s * spec.flops_bf16_per_s), spec.flops_bf16_per_s)
 
 
 @dataclass(frozen=True)
