@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from partir_emu.mpi.supervise import hwloc_files
 from tests.conftest import wall
 from tests.mpi.conftest import MPIEXEC
 
@@ -73,25 +74,6 @@ def _mapped_shm(pids) -> set[str]:
                 out |= {ln.rsplit(None, 1)[-1] for ln in f if "/dev/shm/mpich_shm" in ln}
         except OSError:
             pass
-    return out
-
-
-def _held_hwloc(pids) -> set[str]:
-    """The /tmp/hydra_hwloc_xmlfile_* files the job's processes hold open (hydra's proxy writes
-    one per job; a proxy killed by a signal used to leave it in /tmp for good)."""
-    out = set()
-    for p in pids:
-        try:
-            fds = os.listdir(f"/proc/{p}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{p}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/tmp/hydra_hwloc_xmlfile_"):
-                out.add(target)
     return out
 
 
@@ -175,7 +157,7 @@ def _signal_once_running(proc: subprocess.Popen, pattern: str, sig: signal.Signa
         tree = _tree(proc.pid)
         shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
         assert shm, "the ranks map no MPICH segment"
-        shm |= _held_hwloc(tree)
+        shm |= hwloc_files(tree)           # hydra's per-job file in /tmp: gone after the stop too
         t0 = time.monotonic()
         if group:
             os.killpg(proc.pid, sig)
@@ -289,7 +271,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(tmp_path):
         tree = _tree(proc.pid)
         shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
         assert shm, "the ranks map no MPICH segment"
-        shm |= _held_hwloc(tree)
+        shm |= hwloc_files(tree)           # hydra's per-job file in /tmp: gone after the stop too
         ranks = [p for p in tree if p != proc.pid]
         assert ranks, "the launcher has no mpiexec below it"
         proc.kill()
