@@ -5,7 +5,7 @@ with nested calls inlined and primitive parameters normalized to plain Python
 data (ints, tuples, strings, dicts), so that the IR can be interpreted by numpy,
 priced by the hardware models and serialized without pickle.
 
-The same classes carry the lowered per-device program (``spmd.py``): there the
+The same classes carry the lowered per-device program (``spmd/program.py``): there the
 shapes are local and collective primitives appear as ordinary equations.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Everything that touches MPI: the launcher and its supervision (:mod:`.launch`, :mod:`.supervise`,
-:mod:`.sentinel`, :mod:`.failure_report`, :mod:`.interrupts`), the job files that cross into the
-ranks (:mod:`.jobs`), what runs inside a rank (:mod:`.rank`), and the user's own script under
+:mod:`.sentinel`, :mod:`.deaths`, :mod:`.failure_report`, :mod:`.interrupts`), the job files that
+cross into the ranks (:mod:`.jobs`), what runs inside a rank (:mod:`.ranks`), and the user's own script under
 ``mpiexec`` (:mod:`.session`)::
 
     import partir_emu.mpi as pmpi        # no jax, and MPI starts only when a session name is used

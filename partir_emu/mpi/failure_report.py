@@ -3,7 +3,7 @@
 Built from three sources, because none is complete on its own: mpiexec's output (the ranks'
 ``partir-emu rank R device D op K …`` lines and hydra's exit codes), the ranks' progress
 records (:mod:`partir_emu.runtime.progress`; MPI_Abort can stop mpiexec before it forwarded a
-rank's last words) and the exit times :class:`~partir_emu.mpi.supervise.DeathWatch` saw
+rank's last words) and the exit times :class:`~partir_emu.mpi.deaths.DeathWatch` saw
 (a rank killed or out of memory says nothing). On a timeout it also names the ranks still
 computing before a collective that the others already wait in.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from partir_emu.mpi.supervise import exit_statuses
+from partir_emu.mpi.deaths import exit_statuses
 from partir_emu.runtime.progress import device_str, op_position
 
 RANK_PREFIX = "partir-emu rank"

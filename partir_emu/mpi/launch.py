@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partir_emu.errors import EmulationError
+from partir_emu.mpi.deaths import DeathWatch
 from partir_emu.mpi.failure_report import WARNING_PREFIX, failure_message
 from partir_emu.mpi.faults import parse_fault
 from partir_emu.mpi.interrupts import note, signals_deferred
 from partir_emu.mpi.jobs import read_job_result, write_jobs
 from partir_emu.mpi.reaper import Reaper
-from partir_emu.mpi.supervise import DeathWatch, Supervised, cleanup_shm, is_hydra, mpiexec_path
+from partir_emu.mpi.supervise import Supervised, cleanup_shm, is_hydra, mpiexec_path
 from partir_emu.runtime.progress import read_records
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")

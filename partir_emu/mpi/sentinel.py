@@ -9,7 +9,7 @@ session of its own, where mpiexec's clean-up does not reach it::
     python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak] [--proxy PID]
 
 ``DIR`` holds the progress records of the host's ``N`` ranks, each ``flock``-ed by its rank
-while it lives (:class:`~partir_emu.mpi.supervise.DeathWatch` learns each exit). Once all
+while it lives (:class:`~partir_emu.mpi.deaths.DeathWatch` learns each exit). Once all
 ``N`` have exited it removes the segments the ranks reported and ``DIR``, and with
 ``--speak`` (the host of rank 0) prints at most one line to the stderr it shares with the
 ranks (mpiexec forwards it, and waits for it to close before it exits). With ``--proxy PID`` (the
@@ -38,8 +38,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from partir_emu.mpi.deaths import DeathWatch
 from partir_emu.mpi.failure_report import silent_death_lines
-from partir_emu.mpi.supervise import DeathWatch, proxy_files, remove_hwloc, remove_segments
+from partir_emu.mpi.supervise import proxy_files, remove_hwloc, remove_segments
 from partir_emu.runtime.progress import read_records
 
 
