@@ -18,6 +18,9 @@ from pathlib import Path
 
 from partir_emu.runtime.progress import read_record
 
+TIE_S = 0.002           # exits closer than this are ties even on an idle machine
+SCAN_S = 0.02           # how often the watch looks for new ranks' progress files
+
 
 class DeathWatch:
     """Learns the moment each rank exits: a rank holds an ``flock`` on its progress file while
@@ -26,12 +29,17 @@ class DeathWatch:
 
     A rank that had already exited when its thread first took the lock (a job that fails within
     the first scan) has no known exit time: it is stamped 0.0, earlier than every observed exit,
-    so that it is never ranked after a rank whose death was seen as it happened."""
+    so that it is never ranked after a rank whose death was seen as it happened.
+
+    The stamps are as exact as this process is prompt to wake: :attr:`resolution_s` is the
+    latest the scanner thread ever woke after its timer (at least :data:`TIE_S`), so a loaded
+    machine widens what counts as a tie instead of claiming an order it could not see."""
 
     def __init__(self, progress_dir: Path) -> None:
         self.dir = progress_dir
         self.exits: dict[int, tuple[float, dict]] = {}
         self._seen: set[str] = set()
+        self.resolution_s = TIE_S
         self._stop = threading.Event()
         self._scanner = threading.Thread(target=self._scan, name="partir-emu-deathwatch", daemon=True)
         self._scanner.start()
@@ -47,7 +55,10 @@ class DeathWatch:
                 if n.startswith("rank-") and n not in self._seen and _size(path) > 0:
                     self._seen.add(n)
                     threading.Thread(target=self._wait_one, args=(path,), daemon=True).start()
-            self._stop.wait(0.02)
+            t0 = time.monotonic()
+            if self._stop.wait(SCAN_S):
+                break
+            self.resolution_s = max(self.resolution_s, time.monotonic() - t0 - SCAN_S)
 
     def _wait_one(self, path: Path) -> None:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from partir_emu.mpi.deaths import exit_statuses
+from partir_emu.mpi.deaths import TIE_S, exit_statuses
 from partir_emu.runtime.progress import device_str, op_position
 
 RANK_PREFIX = "partir-emu rank"
@@ -19,8 +19,9 @@ WARNING_PREFIX = "partir-emu: warning"
 
 
 def failure_message(text: str, rc: int | None, timed_out: bool, progress: list[dict],
-                    silent: list[tuple[float, dict]], ranks: int, timeout_s: float) -> str:
-    """``text``: mpiexec's output; ``silent``: ranks that exited without a word, by exit time."""
+                    silent: list[tuple[float, dict]], ranks: int, timeout_s: float, tie_s: float = TIE_S) -> str:
+    """``text``: mpiexec's output; ``silent``: ranks that exited without a word, by exit time;
+    ``tie_s``: how close two exit times are to be told apart (the watch's resolution)."""
     if timed_out:
         lines = [f"the MPI run ({ranks} ranks) timed out after {timeout_s:g} s (--timeout) and was stopped"]
     else:
@@ -32,7 +33,7 @@ def failure_message(text: str, rc: int | None, timed_out: bool, progress: list[d
     first_failure = min((r.get("t", math.inf) for r in progress if r.get("phase") == "failed"), default=math.inf)
     silent = [(t, r) for t, r in silent if t < first_failure]   # died before anyone reported
     if silent and not timed_out:
-        lines += silent_death_lines(silent, exit_statuses(text))
+        lines += silent_death_lines(silent, exit_statuses(text), tie_s)
     lines += msgs[:8] + ([f"... and {len(msgs) - 8} more rank messages"] if len(msgs) > 8 else [])
     lines += list(dict.fromkeys(ln for ln in text.splitlines() if ln.startswith(WARNING_PREFIX)))[:4]
     if not msgs or timed_out or any("timed out" in m for m in msgs):
@@ -45,11 +46,13 @@ def failure_message(text: str, rc: int | None, timed_out: bool, progress: list[d
     return "\n".join(lines)
 
 
-def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] | None = None) -> list[str]:
+def silent_death_lines(silent: list[tuple[float, dict]], status: dict[int, str] | None = None,
+                       tie_s: float = TIE_S) -> list[str]:
     """The first rank to exit without a word is the one that died; mpiexec stopped the others.
-    ``status``: exit statuses by rank (None: unknown, e.g. to a watcher that is not the parent)."""
+    ``status``: exit statuses by rank (None: unknown, e.g. to a watcher that is not the parent);
+    ranks that exited within ``tie_s`` of the first are named together, as tied."""
     t_first, _ = silent[0]
-    same = [r for t, r in silent if t - t_first < 0.002]
+    same = [r for t, r in silent if t - t_first <= tie_s]
     if status:
         # exit times are stamped when a watcher thread wakes, which a loaded machine can delay by
         # more than the gap between a death and hydra's kill of the others: the statuses decide first

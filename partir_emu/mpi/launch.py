@@ -159,7 +159,8 @@ class MpiRun:
             progress = self.read_progress()
             cleanup_shm([s for p in progress for s in p.get("shm", [])], self.process.shm_before, self.start_wall)
             self.process.close_logs()
-            raise EmulationError(failure_message(text, rc, timed_out, progress, silent, self.ranks, self.timeout_s))
+            raise EmulationError(failure_message(text, rc, timed_out, progress, silent, self.ranks, self.timeout_s,
+                                                 self.watch.resolution_s))
         self.watch.stop()
         for w in dict.fromkeys(ln for ln in text.splitlines() if ln.startswith(WARNING_PREFIX)):
             print(w, file=sys.stderr)       # the ranks' warnings

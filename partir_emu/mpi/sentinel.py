@@ -38,19 +38,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from partir_emu.mpi.deaths import DeathWatch
+from partir_emu.mpi.deaths import TIE_S, DeathWatch
 from partir_emu.mpi.failure_report import silent_death_lines
 from partir_emu.mpi.supervise import proxy_files, remove_hwloc, remove_segments
 from partir_emu.runtime.progress import read_records
 
 
-def verdict(silent: list[tuple[float, dict]], records: list[dict], removed: int) -> str | None:
+def verdict(silent: list[tuple[float, dict]], records: list[dict], removed: int, tie_s: float = TIE_S) -> str | None:
     """The one line to print once every rank of the host has exited (None: nothing to say)."""
     segs = f"removed {removed} /dev/shm segment{'s' if removed != 1 else ''}"
     first_failure = min((r.get("t", math.inf) for r in records if r.get("phase") == "failed"), default=math.inf)
     silent = [(t, r) for t, r in silent if t < first_failure]    # mpiexec stopped them after a failure
     if silent:
-        return "\n".join(silent_death_lines(silent)) + f"; {segs}"
+        return "\n".join(silent_death_lines(silent, tie_s=tie_s)) + f"; {segs}"
     stopped = sorted({str(r["stopped_by"]) for r in records if r.get("stopped_by")})
     if stopped and not any(r.get("phase") == "failed" for r in records):
         n = len(records)
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = {s for r in records for s in r.get("shm", [])}
     removed = set(remove_segments(named)) | {s for s in named if not os.path.exists(s)}    # a stopped rank drops its own
     shutil.rmtree(args.dir, ignore_errors=True)
-    line = verdict(watch.silent_deaths(settle_s=0.0), records, len(removed))
+    line = verdict(watch.silent_deaths(settle_s=0.0), records, len(removed), watch.resolution_s)
     if line and args.speak:
         try:
             sys.stderr.write(line + "\n")
