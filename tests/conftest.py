@@ -128,3 +128,21 @@ def lowered(scenario: str, strategy: str, mesh: str, overrides: str | None = Non
     the program)."""
     exp = experiment(scenario, strategy, mesh, None, overrides)
     return exp, _programs().spmd(exp)
+
+
+_RNG_STATES: dict[str, dict] = {}
+
+
+@pytest.fixture(autouse=True)
+def _module_rng_restored(request: pytest.FixtureRequest) -> None:
+    """A test module's ``RNG = np.random.default_rng(seed)`` starts every test where it stood when the
+    module's first test began: the inputs a test draws must not depend on which tests an xdist worker
+    happened to run before it (they did: the same test got other inputs run to run)."""
+    mod = request.module
+    rng = getattr(mod, "RNG", None)
+    if not isinstance(rng, np.random.Generator):
+        return
+    state = _RNG_STATES.setdefault(mod.__name__, rng.bit_generator.state)
+    fresh = np.random.default_rng()
+    fresh.bit_generator.state = state
+    mod.RNG = fresh

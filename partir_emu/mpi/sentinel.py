@@ -22,6 +22,9 @@ proxy has ended without doing so (killed with mpiexec):
 - ranks stopped by a signal mpiexec forwarded (Ctrl-C, SIGTERM): ``partir-emu: stopped by
   SIGINT: …``;
 
+- mpiexec gone while the ranks run (the proxy lost its parent, or the proxy itself is gone:
+  hydra's proxy should SIGKILL its ranks then, and under load was seen not to for a minute):
+  the ranks are stopped here (SIGTERM, SIGKILL ``GRACE_S`` later) and the line says so;
 - nothing after a clean run.
 
 Only the standard library and partir_emu's runtime records: no mpi4py, no jax.
@@ -35,13 +38,36 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from partir_emu.mpi.deaths import TIE_S, DeathWatch
 from partir_emu.mpi.failure_report import silent_death_lines
-from partir_emu.mpi.supervise import proxy_files, remove_hwloc, remove_segments
+from partir_emu.mpi.supervise import is_alive, parent_of, proxy_files, remove_hwloc, remove_segments
 from partir_emu.runtime.progress import read_records
+
+LAUNCHER_SCAN_S = 0.25     # how often the sentinel checks that mpiexec is still there
+GRACE_S = 3.0              # SIGTERM to SIGKILL when it stops the ranks itself
+
+
+def stop_ranks(records: list[dict], proxy: int) -> None:
+    """SIGTERM the ranks of ``records`` that are still the proxy's children (a pid reused since is
+    not), then SIGKILL those left ``GRACE_S`` later."""
+    def ours(pid: int) -> bool:
+        return parent_of(pid) == proxy and is_alive(pid)
+
+    pids = [int(r["pid"]) for r in records if isinstance(r.get("pid"), int) and ours(int(r["pid"]))]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + GRACE_S
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(ours(p) for p in pids):
+            time.sleep(0.05)
+        pids = [p for p in pids if ours(p)]
 
 
 def verdict(silent: list[tuple[float, dict]], records: list[dict], removed: int, tie_s: float = TIE_S) -> str | None:
@@ -71,7 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGINT, signal.SIGHUP):    # the terminal's signals are the ranks' to handle
         signal.signal(s, signal.SIG_IGN)
     watch = DeathWatch(Path(args.dir))
-    done = watch.wait_exits(args.ranks, args.deadline)
+    launcher = parent_of(args.proxy) if args.proxy else None
+    done = lost = False
+    end = time.monotonic() + args.deadline
+    while not done and time.monotonic() < end:
+        done = watch.wait_exits(args.ranks, min(LAUNCHER_SCAN_S, max(0.0, end - time.monotonic())))
+        if not done and not lost and launcher is not None and parent_of(args.proxy) != launcher:
+            lost = True                         # mpiexec is gone: nothing will ever finish this job
+            stop_ranks(read_records(args.dir), args.proxy)
+            end = min(end, time.monotonic() + 2 * GRACE_S)
     watch.stop()
     if not done:                                # ranks still alive: their segment is in use
         return 1
@@ -79,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = {s for r in records for s in r.get("shm", [])}
     removed = set(remove_segments(named)) | {s for s in named if not os.path.exists(s)}    # a stopped rank drops its own
     shutil.rmtree(args.dir, ignore_errors=True)
-    line = verdict(watch.silent_deaths(settle_s=0.0), records, len(removed), watch.resolution_s)
+    line = (f"partir-emu: mpiexec is gone: stopped the MPI job's {len(records)} rank(s) on {socket.gethostname()}; "
+            f"removed {len(removed)} /dev/shm segment(s)" if lost else
+            verdict(watch.silent_deaths(settle_s=0.0), records, len(removed), watch.resolution_s))
     if line and args.speak:
         try:
             sys.stderr.write(line + "\n")

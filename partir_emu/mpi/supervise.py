@@ -62,12 +62,9 @@ def _proc_table() -> dict[int, int]:
     out = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read()
-                out[int(d)] = int(st[st.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
+            pp = parent_of(int(d))
+            if pp is not None:
+                out[int(d)] = pp
     return out
 
 
@@ -84,6 +81,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read()
+        return int(st[st.rindex(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot): with its pid, an identity that
     survives pid reuse. None for a process that is gone or a zombie."""
@@ -93,6 +100,11 @@ def _start_time(pid: int) -> int | None:
         return None if fields[0] == "Z" else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def is_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie has exited: it only waits for its parent to reap it)."""
+    return _start_time(pid) is not None
 
 
 def _cmdline_has(pid: int, marker: str) -> bool:

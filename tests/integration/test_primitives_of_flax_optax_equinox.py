@@ -20,7 +20,7 @@ from partir_emu.primitives import lookup, rule_for
 from partir_emu.primitives.bits import HASH_OPS
 from partir_emu.runtime.interpreter import eval_program
 
-RNG = np.random.default_rng(11)
+RNG = np.random.default_rng(11)           # restored before each test (tests/conftest.py)
 KEY = np.array([0, 42], np.uint32)          # jax.random.PRNGKey(42), without a jax call
 
 
@@ -296,9 +296,15 @@ def test_equinox_mlp_with_adam_batch_parallel():
     model = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.PRNGKey(0))
     params, static = eqx.partition(model, eqx.is_array)
     params = jax.tree_util.tree_map(np.asarray, params)
-    opt = optax.adam(1e-2)
+    # eps = 1e-3, not optax's 1e-8: Adam's first step is lr·g/(|g| + eps), which for a gradient that is
+    # float32 cancellation noise (|g| ~ 1e-8, e.g. a unit the batch barely reaches) flips with the last
+    # bit of g, and a batch-partitioned gradient is summed in another order (another GEMM kernel does
+    # the same: OPENBLAS_CORETYPE=Prescott failed here). With eps above the noise the step is
+    # well-conditioned and float32 tolerances test the partitioning, not Adam's conditioning.
+    opt = optax.adam(1e-2, eps=1e-3)
     state = jax.tree_util.tree_map(np.asarray, opt.init(params))
-    x, y = RNG.standard_normal((8, 8)).astype(np.float32), RNG.standard_normal((8, 4)).astype(np.float32)
+    rng = np.random.default_rng(292)        # its own: the module's RNG depends on which tests ran first
+    x, y = rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((8, 4)).astype(np.float32)
 
     def step(params, state, x, y):
         def loss(p):

@@ -214,6 +214,44 @@ def test_signal_to_users_mpiexec(tmp_path, sig):
     _assert_nothing_left(tmp_path, tree, proc.pid, shm)
 
 
+def test_ranks_are_stopped_when_mpiexec_is_gone_and_its_proxy_does_nothing(tmp_path):
+    """mpiexec SIGKILLed while its proxy cannot act (SIGSTOPped: under load a proxy was seen to leave
+    its ranks running for a minute): the host's sentinel sees the proxy lose its parent, stops the
+    ranks itself; nothing is left behind."""
+    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1", *_fault("rank:1:op:0:hang")],
+                            env=_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proxies: list[int] = []
+    try:
+        recs = _wait_for(proc, str(tmp_path / "partir-emu-ranks-*" / "rank-*.json"), 2, "step")
+        tree = _tree(proc.pid)
+        shm = _mapped_shm(tree) | {s for r in recs for s in r.get("shm", [])}
+        ranks = [int(r["pid"]) for r in recs]
+        proxies = sorted({int((_stat(p) or [0, 0])[1]) for p in ranks})
+        assert proxies and proc.pid not in proxies
+        for p in proxies:
+            os.kill(p, signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=wall(10))
+        while any(_live(p) for p in ranks) and time.monotonic() - t0 < wall(20):
+            time.sleep(0.05)
+        secs = time.monotonic() - t0
+        assert not any(_live(p) for p in ranks), "the ranks outlived mpiexec"
+        assert secs < STOP_S, f"took {secs:.1f} s to stop the ranks"
+    finally:
+        for p in proxies:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(p, sig)
+                except OSError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+    # (the sentinel's line goes to the ranks' stderr, a pipe to the stopped proxy: nobody reads it)
+    _assert_nothing_left(tmp_path, tree, proc.pid, shm)
+
+
 def test_rank_death_under_users_mpiexec_is_named_once(tmp_path):
     """A rank SIGKILLed in a collective (hydra then SIGKILLs the others): one line names it, its
     device and op; the segment and the progress directory are removed."""
