@@ -193,12 +193,13 @@ class Analyzer:
             mesh=str(spmd.mesh), num_devices=spmd.mesh.size, overlap=overlap, step_s=float(step_s),
             compute_s=pr.compute_s, comm_s=pr.comm_s, exposed_comm_s=float(step_s) - pr.compute_s,
             flops_per_device=tot.flops, hbm_traffic_bytes=tot.hbm_bytes,
-            peak_bytes_per_device=mem.peak_bytes, hbm_bytes=spec.hbm_bytes, fits=mem.peak_bytes <= spec.hbm_bytes,
+            peak_bytes_per_device=mem.peak_bytes, hbm_bytes=spec.hbm_bytes, fits=mem.peak_bytes <= spec.fits_bytes,
             memory=dict(mem.breakdown), peak_at=mem.peak_at, by_op_kind=tot.by_kind, by_prim=tot.by_prim,
             by_collective=tot.by_coll, by_axes=tot.by_axes,
             hfu=tot.dot_flops / peak_s if peak_s > 0 else 0.0,
             mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
-            fusion=tot.fusion, collectives=tuple(collective_rows(pr)), faults=faults, comm_streams=int(comm_streams))
+            fusion=tot.fusion, collectives=tuple(collective_rows(pr)), faults=faults, comm_streams=int(comm_streams),
+            stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes))
 
 
 """The analyzer of callers that pass none (``simulate(spmd, spec)``, ``simulate_des``): repeated

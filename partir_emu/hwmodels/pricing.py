@@ -80,7 +80,7 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
         compute_s += lc.length * b.compute_s
         comm_s += lc.length * b.comm_s
         walked += b.walked
-    mem = pc.memory
+    mem = pc.memory_for(entry.program, spec.stack.saved_activations)
     sched = None
     if overlap:
         plan = entry.overlap_plan()
@@ -89,27 +89,27 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
         step_s = sched.step_s
         if contention is not None:          # collectives in flight together last longer than priced alone
             comm_s += float(np.sum(np.subtract(sched.finish, sched.start))) - float(times[is_comm].sum())
-        mem = overlap_memory(plan, entry.program, _with_bodies(entry, bodies), sched)
+        mem = overlap_memory(plan, entry.program, _with_bodies(entry, bodies, spec.stack.saved_activations), sched)
     else:
         step_s = compute_s + comm_s
     return Priced(entry, times, costs, compute_s, comm_s, float(step_s), sched, mem, bodies, walked)
 
 
-def _with_bodies(entry: ProgramAnalysis, bodies: Mapping[int, Priced]) -> MemoryProfile:
+def _with_bodies(entry: ProgramAnalysis, bodies: Mapping[int, Priced], policy: str) -> MemoryProfile:
     """The program-order profile of ``entry`` with each loop point holding its body's profile as priced
     (with overlap, the body's schedule's): the analysis' own when no body's differs; else computed
     and kept by the bodies' peaks and breakdowns."""
     pc = entry.costs
     ran = {lc.index: bodies[lc.index].memory for lc in pc.loops if lc.length > 0}
-    if all(ran[lc.index] is lc.body.costs.memory for lc in pc.loops if lc.length > 0):
-        return pc.memory
-    key = tuple((i, m.peak_bytes, tuple(sorted(m.breakdown.items()))) for i, m in ran.items())
+    if all(ran[lc.index] is lc.body.costs.memory_for(lc.body.program, policy) for lc in pc.loops if lc.length > 0):
+        return pc.memory_for(entry.program, policy)
+    key = (policy, *((i, m.peak_bytes, tuple(sorted(m.breakdown.items()))) for i, m in ran.items()))
     memo = entry.memo
     hit = memo.get(key)
     if hit is None:
         if len(memo) > 16:
             memo.clear()
-        hit = memo[key] = peak_memory(entry.program, ran)
+        hit = memo[key] = peak_memory(entry.program, ran, policy)
     return hit
 
 

@@ -62,6 +62,8 @@ class SimReport:
     collectives: tuple[CollectiveRow, ...] = field(repr=False)
     faults: tuple[str, ...] = ()    # the faults applied: degraded/failed links, stragglers (hwmodels.links)
     comm_streams: int = 1           # collectives run at once with overlap
+    stack: str = "xla"              # the software stack priced (hwmodels.compute.stack)
+    needed_bytes: float = 0.0       # what the peak needs with the stack's allocator and reserved memory
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
@@ -89,8 +91,10 @@ class SimReport:
                  f"HFU {100 * self.hfu:.1f}%   MFU " + (f"{100 * self.mfu:.1f}%" if self.mfu is not None
                                                       else "- (no model FLOPs given)"),
                  _fusion_line(self.fusion),
-                 f"peak memory {self.peak_bytes_per_device / gib:.3f} GiB of {self.hbm_bytes / gib:.3f} GiB"
-                 f" -> {'fits' if self.fits else 'DOES NOT FIT'}",
+                 f"peak memory {self.peak_bytes_per_device / gib:.3f} GiB"
+                 + (f" (needs {self.needed_bytes / gib:.3f} GiB with the {self.stack} stack's allocator and "
+                    f"reserved memory)" if self.needed_bytes > self.peak_bytes_per_device else "")
+                 + f" of {self.hbm_bytes / gib:.3f} GiB -> {'fits' if self.fits else 'DOES NOT FIT'}",
                  "  " + "  ".join(f"{k} {v / gib:.3f}" for k, v in self.memory.items() if v), ""]
         lines.append(f"{'op kind':<14}{'count':>7}{'time':>12}{'share':>8}{'GFLOP':>12}{'GB':>10}")
         total = self.step_s if not self.overlap else self.compute_s + self.comm_s

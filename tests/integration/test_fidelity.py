@@ -38,6 +38,7 @@ set = {{ batch = 8, seq = 8, d_model = 16, heads = 4, d_ff = 32, layers = 2, voc
 measured = {measured}
 metric = "{metric}"
 convention = "{convention}"
+stack = "xla"
 """
 
 
@@ -112,6 +113,14 @@ def test_published_utilisation_matches_the_number_the_peak_and_our_model_flops()
     checked = 0
     for c in load_cases():
         peak = load_spec(c.hardware).flops_bf16_per_s
+        if c.metric == "tokens_per_s":
+            # llm-foundry's MFU: tokens/s · (6·N + 12·L·d·s) over the chips' peak; N our parameter count
+            sc = get_scenario(c.scenario)
+            cfg = sc.config(None, c.overrides)
+            per_token = 6 * sc.param_count(cfg) + 12 * cfg["layers"] * cfg["d_model"] * cfg["seq"]
+            assert c.measured * per_token / (c.chips * peak) == pytest.approx(c.published_mfu, abs=0.005), c.case
+            checked += 1
+            continue
         for published in (c.published_mfu, c.published_hfu):
             if published is not None:
                 assert c.measured * 1e12 / peak == pytest.approx(published, abs=0.005), c.case
@@ -121,7 +130,7 @@ def test_published_utilisation_matches_the_number_the_peak_and_our_model_flops()
             step = c.measured_step_s(c.flops_per_step(cfg, sc.param_count(cfg)))
             assert sc.model_flops(cfg) / c.chips / (step * peak) == pytest.approx(c.published_mfu, abs=0.005)
             checked += 1
-    assert checked >= 1
+    assert checked >= 2
 
 
 # -- bad data -----------------------------------------------------------------------------------------
@@ -291,3 +300,22 @@ def test_explain_breaks_a_prediction_down(tmp_path, capsys):
     assert "memory: peak" in text and ("-> fits" in text) == c["fits"]
     assert main(["fidelity", "--data", path, "--explain"]) == 2            # it explains the cases named
     assert "--explain applies only with --case" in capsys.readouterr().err
+
+
+# -- memory: every published run ran, so it must be predicted to fit (issue 23 item 3) ----------------
+# Megatron's 18.4B row ran 32 sequences per replica as micro-batches with gradient accumulation
+# (arXiv 2104.04473 sec. 5.1); the scenario has no gradient accumulation yet (issue 24), so its one
+# step holds all 32 at once. The only case allowed not to fit, and only for that reason.
+NEEDS_MICROBATCHES = {"megatron-18.4b"}
+
+
+@pytest.mark.slow
+def test_every_published_run_is_predicted_to_fit(required_report):
+    extra = run_cases(select(load_cases(), group="extra"), programs=ProgramCache())
+    assert not extra.failures, extra.failures
+    results = list(required_report.results) + list(extra.results)
+    assert len(results) == len(load_cases())
+    gib = 2 ** 30
+    misfits = {r.case.case: f"{r.sim.needed_bytes / gib:.1f} of {r.sim.hbm_bytes / gib:.1f} GiB"
+               for r in results if not r.sim.fits}
+    assert set(misfits) == NEEDS_MICROBATCHES, misfits

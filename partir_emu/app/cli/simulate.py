@@ -30,6 +30,7 @@ from partir_emu.collectives.algorithms import ALGORITHMS
 from partir_emu.core.spmd import COMM_PRIMS
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
+from partir_emu.hwmodels.compute.stack import list_stacks, load_stack
 from partir_emu.hwmodels.machine.placement import Placement
 from partir_emu.hwmodels.machine.search import PlacementChoice, resolve_placement
 from partir_emu.hwmodels.machine.specs import HardwareSpec, TorusSpec, list_specs, load_spec
@@ -40,6 +41,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     add_experiment_args(p)
     p.add_argument("--hardware", default="tpu-v4", help="spec name (see `partir-emu hardware`) or a .toml path "
                    "(default %(default)s)")
+    add_stack_arg(p)
     add_placement_arg(p)
     p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC",
                    help="TPU slice shape, e.g. 8x8x8 (default: derived from the mesh / placement)")
@@ -105,7 +107,7 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
     """Lower the experiment of ``args`` and simulate it: (JSON report, SimReport)."""
     # cheap checks first: a bad path, spec, algorithm, slice or mesh fails before the (slow) lowering
     checks.check_output_path(getattr(args, "report", None), "--report")
-    spec = load_spec(args.hardware)
+    spec = load_spec(args.hardware).with_stack(load_stack(args.stack))
     checks.only_with(args.prefetch_bytes, "--prefetch-bytes", args.overlap, "with --overlap (the default)",
                      "without overlap every gather blocks where it is used")
     algorithms = parse_algorithms(args.algorithm)
@@ -140,7 +142,7 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
         "preset": exp.preset or exp.scenario.default_preset,
         "params": int(exp.scenario.param_count(exp.cfg)),
         "mesh": dict(exp.mesh.axes), "devices": exp.mesh.size, "hardware": spec.name, "hardware_path": spec.path,
-        "algorithm": algorithms, "equations": len(low.spmd.program.eqns),
+        "stack": spec.stack.to_json(), "algorithm": algorithms, "equations": len(low.spmd.program.eqns),
         "lower_s": t1 - t0, "simulate_s": t2 - t1,
         # what each AutomaticPartition chose and why (compiler.auto.SearchResult)
         "auto": [dict(res.to_json(), label=label, text=res.report(label)) for label, res in low.final_state.auto_results],
@@ -247,6 +249,12 @@ def _util(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def add_stack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stack", default="xla", metavar="NAME|PATH",
+                   help="the software stack around the kernels: " + ", ".join(list_stacks())
+                        + " or a .toml stack profile (default %(default)s: XLA running the program as lowered)")
+
+
 # -- hardware -----------------------------------------------------------------------------------------
 def _spec_row(spec: HardwareSpec) -> dict:
     net = spec.network
@@ -319,6 +327,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-__all__ = ["Placed", "add_placement_arg", "add_subcommands", "check_placement", "choose_placement", "cmd_hardware",
+__all__ = ["Placed", "add_placement_arg", "add_stack_arg", "add_subcommands", "check_placement", "choose_placement", "cmd_hardware",
            "cmd_simulate", "model_flops_per_device", "parse_algorithms", "parse_slice", "placement_lines",
            "simulate_experiment"]

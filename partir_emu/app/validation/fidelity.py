@@ -34,6 +34,7 @@ from partir_emu.app.validation.fidelity_data import CONVENTIONS, FidelityDataErr
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
+from partir_emu.hwmodels.compute.stack import load_stack
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 
 # the targets of issue 10 over the required cases (tests/integration/test_fidelity.py pins them)
@@ -64,7 +65,8 @@ class FidelityResult:
         c = self.case
         sim = self.sim
         return {
-            "case": c.case, "group": c.group, "source": c.source, "hardware": c.hardware, "chips": c.chips,
+            "case": c.case, "group": c.group, "source": c.source, "hardware": c.hardware, "stack": c.stack,
+            "chips": c.chips,
             "strategy": c.strategy, "mesh": dict(c.mesh), "set": dict(c.set), "params": self.params,
             "metric": c.metric, "convention": c.convention, "convention_formula": CONVENTIONS[c.convention].formula,
             "flops_per_step": self.flops_per_step, "measured": c.measured, "predicted": self.predicted,
@@ -84,7 +86,8 @@ def explain(r: FidelityResult) -> str:
     memory by category, and what the model leaves out (``fidelity --case NAME --explain``)."""
     c, sim = r.case, r.sim
     gap_s = r.measured_step_s - r.predicted_step_s
-    lines = [f"== {c.case}: {c.hardware} x {c.chips}, {c.strategy} on {dict(c.mesh)}, global batch {c.global_batch}",
+    lines = [f"== {c.case}: {c.hardware} x {c.chips} running {c.stack}, {c.strategy} on {dict(c.mesh)}, "
+             f"global batch {c.global_batch}",
              f"source: {c.source}",
              f"measured {c.measured:.4g} {c.metric} -> step {r.measured_step_s:.4f} s by {c.convention} "
              f"({CONVENTIONS[c.convention].formula})",
@@ -108,12 +111,13 @@ def explain(r: FidelityResult) -> str:
         lines.append(f"  over ({axes}): {int(row['count'])} collectives, {row['bytes'] / 1e9:.3f} GB, "
                      f"{row['time_s']:.4f} s")
     gib = 2 ** 30
-    lines += ["", f"memory: peak {sim.peak_bytes_per_device / gib:.2f} GiB of {sim.hbm_bytes / gib:.2f} GiB "
+    lines += ["", f"memory: peak {sim.peak_bytes_per_device / gib:.2f} GiB (needs {sim.needed_bytes / gib:.2f} GiB with "
+                  f"the {c.stack} stack's allocator and reserved memory) of {sim.hbm_bytes / gib:.2f} GiB "
                   f"-> {'fits' if sim.fits else 'DOES NOT FIT (the run did run)'}",
               "  " + "  ".join(f"{k} {v / gib:.2f}" for k, v in sim.memory.items() if v),
-              "", "not in the model: the software stack around the kernels (launch and CPU overheads per layer, "
-                  "how far FSDP prefetches, the precision of gradient reductions), causal skipping in attention "
-                  "kernels, the allocator's fragmentation (issue 23)"]
+              "", _stack_line(c.stack),
+              "not in the model yet: per-layer CPU and launch overheads of eager stacks, the precision of "
+              "gradient reductions, GEMM efficiency from measured sweeps (issue 23)"]
     return "\n".join(lines)
 
 
@@ -132,7 +136,7 @@ def run_case(case: PublishedRun, programs: ProgramCache, analyzer: Analyzer, *,
     try:
         exp = experiment(case)
         spmd = programs.spmd(exp)
-        spec = spec if spec is not None else analyzer.spec(case.hardware)
+        spec = (spec if spec is not None else analyzer.spec(case.hardware)).with_stack(load_stack(case.stack))
         checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
         model_flops = model_flops_per_device(exp)
         sim = simulate(spmd, spec, case.placement, overlap=True, model_flops=model_flops, analyzer=analyzer)
@@ -173,18 +177,18 @@ class FidelityReport:
         }
 
     def table(self) -> str:
-        head = (f"{'case':<17}{'hardware':<9}{'chips':>6}  {'metric':<16}{'measured':>9}{'predicted':>10}"
+        head = (f"{'case':<17}{'hardware':<9}{'stack':<13}{'chips':>6}  {'metric':<16}{'measured':>9}{'predicted':>10}"
                 f"{'error':>9}{'step meas':>11}{'step pred':>11}{'MFU pred':>10}{'MFU pub':>9}{'HFU pred':>10}"
                 f"{'HFU pub':>9}")
         lines = [head, "-" * len(head)]
         for r in self.results:
             c = r.case
-            lines.append(f"{c.case:<17}{c.hardware:<9}{c.chips:>6}  {c.metric:<16}{c.measured:>9.4g}"
+            lines.append(f"{c.case:<17}{c.hardware:<9}{c.stack:<13}{c.chips:>6}  {c.metric:<16}{c.measured:>9.4g}"
                          f"{r.predicted:>10.4g}{r.error_pct:>+8.1f}%{r.measured_step_s:>10.3f}s"
                          f"{r.predicted_step_s:>10.3f}s{_pct(r.sim.mfu):>10}{_pct(c.published_mfu):>9}"
                          f"{_pct(r.sim.hfu):>10}{_pct(c.published_hfu):>9}")
         for c, why in self.failures:
-            lines.append(f"{c.case:<17}{c.hardware:<9}{c.chips:>6}  FAILED: {why}")
+            lines.append(f"{c.case:<17}{c.hardware:<9}{c.stack:<13}{c.chips:>6}  FAILED: {why}")
         for g in sorted({r.case.group for r in self.results}):
             s = self.summary(g)
             lines.append(f"{g}: median |error| {s['median_abs_error_pct']:.1f}%, max {s['max_abs_error_pct']:.1f}% "
@@ -231,6 +235,14 @@ class FidelityReport:
         ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+
+
+def _stack_line(name: str) -> str:
+    """What the case's stack profile changes in the prediction (``explain``)."""
+    st = load_stack(name)
+    return (f"stack {st.name}: causal flash blocks skipped: {'yes' if st.attention_causal_skip else 'no'}; saved for "
+            f"the backward: {st.saved_activations}; memory beside the tensors: {st.reserved_bytes / 1e9:g} GB "
+            f"reserved + {100 * st.allocator_overhead:g}% of the peak for the allocator")
 
 
 def _pct(x: float | None) -> str:

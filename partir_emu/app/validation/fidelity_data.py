@@ -16,7 +16,8 @@ count, ``H`` heads, ``dh`` head width):
 - ``maxtext_6n`` (MaxText train.py, 2023-04): ``F = 6·N·B·s``;
 - ``maxtext_6n_attn`` (MaxText ``calculate_training_tflops`` from 2023-06):
   ``F = 6·N·B·s + 12·H·l·dh·s²·B``;
-- ``iteration_time``: the source reports the step time itself.
+- ``iteration_time``: the source reports the step time itself;
+- ``tokens``: the source reports tokens per second over all chips: ``step_s = B·s / measured``.
 
 A number in TFLOP/s per chip becomes a step time ``step_s = F / (measured·1e12 · chips)``; a
 predicted step time becomes the source's metric the same way backwards (:func:`to_metric`).
@@ -36,7 +37,7 @@ from partir_emu.limits import load_toml
 
 DATA_FILE = "fidelity.toml"
 GROUPS = ("required", "extra")
-METRICS = ("tflops_per_chip", "step_s")
+METRICS = ("tflops_per_chip", "step_s", "tokens_per_s")
 
 
 class FidelityDataError(PartirError):
@@ -80,6 +81,8 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in (
     Convention("maxtext_6n_attn", "F = 6·N·B·s + 12·H·l·dh·s²·B per step (MaxText calculate_training_tflops, "
                "2023-06 on)", "tflops_per_chip", _maxtext_6n_attn),
     Convention("iteration_time", "the source reports seconds per iteration", "step_s", None),
+    Convention("tokens", "the source reports tokens per second over all chips: step_s = B·s / measured",
+               "tokens_per_s", None),
 )}
 
 
@@ -100,6 +103,7 @@ class PublishedRun:
     measured: float
     metric: str
     convention: str
+    stack: str = "xla"
     published_mfu: float | None = None
     published_hfu: float | None = None
     notes: str = ""
@@ -122,10 +126,16 @@ class PublishedRun:
         fn = CONVENTIONS[self.convention].flops
         return None if fn is None else fn(cfg, n_params)
 
+    @property
+    def tokens_per_step(self) -> int:
+        return int(dict(self.set)["batch"]) * int(dict(self.set)["seq"])
+
     def measured_step_s(self, flops: float | None) -> float:
         """The published number as seconds per step."""
         if self.metric == "step_s":
             return self.measured
+        if self.metric == "tokens_per_s":
+            return self.tokens_per_step / self.measured
         assert flops is not None, "a TFLOP/s metric always has a FLOP convention (checked at load)"
         return flops / (self.measured * 1e12 * self.chips)
 
@@ -133,13 +143,15 @@ class PublishedRun:
         """A step time in this case's metric (the inverse of :meth:`measured_step_s`)."""
         if self.metric == "step_s":
             return step_s
+        if self.metric == "tokens_per_s":
+            return self.tokens_per_step / step_s
         assert flops is not None, "a TFLOP/s metric always has a FLOP convention (checked at load)"
         return flops / (step_s * self.chips) / 1e12
 
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "case": str, "group": str, "source": str, "hardware": str, "chips": int, "strategy": str, "mesh": dict,
-    "global_batch": int, "set": dict, "measured": (int, float), "metric": str, "convention": str}
+    "global_batch": int, "set": dict, "measured": (int, float), "metric": str, "convention": str, "stack": str}
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "published_mfu": (int, float), "published_hfu": (int, float), "notes": str, "scenario": str, "placement": str}
 
@@ -187,6 +199,8 @@ def _check_values(d: dict, at: str) -> None:
     if d["set"].get("batch") != d["global_batch"]:
         raise FidelityDataError(f"{at}: 'global_batch' is {d['global_batch']} but set.batch is "
                                 f"{d['set'].get('batch')!r}; the scenario's batch is the global batch")
+    if d["metric"] == "tokens_per_s" and not isinstance(d["set"].get("seq"), int):
+        raise FidelityDataError(f"{at}: a tokens_per_s case needs set.seq (tokens per step = set.batch * set.seq)")
     bad = [k for k, v in d["set"].items() if isinstance(v, bool) or not isinstance(v, (int, str))]
     if bad:
         raise FidelityDataError(f"{at}: set.{bad[0]} is {d['set'][bad[0]]!r}; --set values are integers or words")
@@ -203,7 +217,7 @@ def parse_case(d: Any, at: str) -> PublishedRun:
     return PublishedRun(case=d["case"], group=d["group"], source=d["source"], hardware=d["hardware"], chips=d["chips"],
                 strategy=d["strategy"], mesh=tuple(d["mesh"].items()), global_batch=d["global_batch"],
                 set=tuple(d["set"].items()), measured=float(d["measured"]), metric=d["metric"],
-                convention=d["convention"], where=at, **kw)
+                convention=d["convention"], stack=d["stack"], where=at, **kw)
 
 
 def default_path() -> Path:

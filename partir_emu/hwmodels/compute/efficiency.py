@@ -91,14 +91,14 @@ def parse_compiler(sub: Any, where: str) -> CompilerSpec:
     """Validate a ``[compiler]`` table (``None``: the default, no fusion)."""
     if sub is None:
         return CompilerSpec()
-    return CompilerSpec(**_check(sub, _COMPILER, where, "compiler"))
+    return CompilerSpec(**check_fields(sub, _COMPILER, where, "compiler"))
 
 
 def parse_efficiency(sub: Any, where: str) -> EfficiencySpec:
     """Validate an ``[efficiency]`` table (``None``: the default, 100 % of peak)."""
     if sub is None:
         return EfficiencySpec()
-    vals = _check(sub, _EFFICIENCY, where, "efficiency")
+    vals = check_fields(sub, _EFFICIENCY, where, "efficiency")
     mb, frac = vals["hbm_curve_mb"], vals["hbm_curve_fraction"]
     if len(mb) != len(frac) or list(mb) != sorted(mb) or len(set(mb)) != len(mb):
         raise SpecError(f"{where}: fields efficiency.hbm_curve_mb and efficiency.hbm_curve_fraction must be lists of "
@@ -109,7 +109,7 @@ def parse_efficiency(sub: Any, where: str) -> EfficiencySpec:
     return EfficiencySpec(**vals)
 
 
-def _check(sub: Any, fields: Mapping[str, tuple[Any, bool]], where: str, table: str) -> dict[str, Any]:
+def check_fields(sub: Any, fields: Mapping[str, tuple[Any, bool]], where: str, table: str) -> dict[str, Any]:
     if not isinstance(sub, dict):
         raise SpecError(f"{where}: field {table!r} must be a table [{table}], got {type(sub).__name__}")
     out: dict[str, Any] = {}

@@ -51,6 +51,7 @@ from partir_emu.primitives.conv import conv_gemm_dims
 from partir_emu.primitives.costs import buffer_bytes
 
 CHEAP, LOOP, REDUCE, DOT, OPAQUE = range(5)
+FLASH_KERNEL = "flash_attention"        # the Eqn.kernel tag of a flash-attention core (its backward: ".../bwd")
 _CHEAP = frozenset({"broadcast_in_dim", "iota", "axis_index"})
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                      "argmax", "argmin"})
@@ -89,6 +90,7 @@ class FusionPlan:
     dot_flops: np.ndarray
     dot_f32: np.ndarray        # per dot: priced at the f32 matrix rate (else the 16-bit one)
     dot_dims: np.ndarray       # per dot: (batch, M, N, K), shape (dots, 4)
+    causal_seq: np.ndarray     # per group: the score length s of a hand-fused flash-attention kernel, else 0
 
     @property
     def num_groups(self) -> int:
@@ -368,8 +370,18 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
     dot_flops = fl[is_dot]
     work = (gbytes > 0) | (np.bincount(ga, weights=fl, minlength=G) > 0)
     hand = len({g for g, i in zip(ga.tolist(), idx.tolist()) if tags[i]})
+    causal = np.zeros(G, dtype=np.int64)
+    for i, g, row in zip(dots, ga[is_dot].tolist(), dims.tolist()):
+        if tags[i].split("/", 1)[0] == FLASH_KERNEL:
+            causal[g] = max(causal[g], int(_score_len(row[1], row[2], row[3])))
     return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
-                      ga[is_dot], dot_flops, f32, dims)
+                      ga[is_dot], dot_flops, f32, dims, causal)
+
+
+def _score_len(m: float, n: float, k: float) -> float:
+    """The score length of a flash-attention dot: the dimension it has twice (``q·kᵀ``: M = N = s;
+    ``p·v`` and the backward's: one of M, N and K is the head width, the other two are s)."""
+    return m if m in (n, k) else n if n == k else max(m, n, k)
 
 
 def _dot_dims(e) -> tuple[int, int, int, int]:

@@ -4,7 +4,8 @@ Pricing (:func:`group_times`, vectorised per spec): ``max(matmul time + vector t
 HBM bw) + launch overhead``; matmul time at the dot dtype's peak times :func:`.efficiency.matmul_efficiency`,
 vector time at ``vector_flops_per_s · vector_fraction``, HBM bandwidth times
 :func:`.efficiency.hbm_fraction` of the group's bytes. Matmul and vector work are summed (conservative: an
-epilogue is small next to its dot). The group's time lands on its **last** equation (zero on the others):
+epilogue is small next to its dot). A hand-fused flash-attention kernel's FLOPs are scaled by the share
+of its score blocks the stack's kernel computes (:meth:`.stack.StackSpec.causal_share`). The group's time lands on its **last** equation (zero on the others):
 the overlap schedule and the DES see one op at the group's end.
 """
 from __future__ import annotations
@@ -29,6 +30,13 @@ def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
     else:
         mm = np.zeros(G)
     vec = plan.vec_flops / (spec.vector_flops_per_s * eff.vector_fraction)
+    if spec.stack.attention_causal_skip and plan.causal_seq.any():
+        # the stack's causal flash kernel skips the blocks above the diagonal (.stack.StackSpec.causal_share)
+        share = np.ones(G)
+        flash = np.flatnonzero(plan.causal_seq)
+        share[flash] = [spec.stack.causal_share(int(s)) for s in plan.causal_seq[flash]]
+        mm = mm * share
+        vec = vec * share
     mem = plan.bytes / (spec.hbm_bw_bytes_per_s * hbm_fraction(eff, plan.bytes))
     t = np.maximum(mm + vec, mem)
     launch = spec.compiler.kernel_launch_s

@@ -36,11 +36,11 @@ from types import MappingProxyType
 
 import numpy as np
 
-from partir_emu.core.analysis import liveness
 from partir_emu.core.ir import Program, Var
 from partir_emu.core.loops import LOOP
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
 from partir_emu.hwmodels.compute.costs import nbytes_of
+from partir_emu.hwmodels.compute.residuals import on_chip, saved_liveness
 
 PARAM_PREFIXES: tuple[str, ...] = ("params",)
 OPT_PREFIXES: tuple[str, ...] = ("opt", "opt_state", "optimizer")
@@ -57,6 +57,7 @@ class MemoryProfile:
     input_bytes: int = 0              # inputs + constants
     bodies: Mapping[int, MemoryProfile] = field(default_factory=dict, repr=False)
     # per loop equation that runs its body (length > 0): the body profile added at its point
+    policy: str = "program"         # what the stack keeps for the backward (:mod:`.residuals`)
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "peak_at": self.peak_at, "breakdown": dict(self.breakdown),
@@ -72,16 +73,18 @@ def _category(name: str) -> str:
     return "inputs"
 
 
-def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfile] | None = None
-                ) -> MemoryProfile:
+def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfile] | None = None,
+                policy: str = "program") -> MemoryProfile:
     """Liveness-based peak bytes per device (see the module docstring for the exact convention).
     ``bodies``: per loop equation, the body profile to add at its point (default: each body's
-    :func:`peak_memory`, computed here; a loop of length 0 adds nothing)."""
+    :func:`peak_memory`, computed here; a loop of length 0 adds nothing). ``policy``: what the
+    stack keeps for the backward pass (:mod:`.residuals`; ``"program"``: every value of the program
+    in HBM, the runtime's convention)."""
     prog = program.program if isinstance(program, SpmdProgram) else program
     if bodies is None:
-        bodies = loop_bodies(prog)
-    lv = liveness(prog)
-    size = _sizes(prog, lv.initial)
+        bodies = loop_bodies(prog, policy)
+    lv = saved_liveness(prog, policy)
+    size = _sizes(prog, lv.initial, on_chip(prog, policy))
     live = input_bytes = sum(size[v.id] for v in lv.initial)
     points = [live]
     live -= sum(size[v.id] for v in lv.at_start)
@@ -98,12 +101,12 @@ def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfi
             live -= size[v.id]
     bd = _breakdown(prog, peak_at, lv.last_use, size)
     return MemoryProfile(peak, peak_at, _with_body(bd, bodies.get(peak_at)), tuple(points), input_bytes,
-                         MappingProxyType(dict(bodies)))
+                         MappingProxyType(dict(bodies)), policy)
 
 
-def loop_bodies(prog: Program) -> dict[int, MemoryProfile]:
+def loop_bodies(prog: Program, policy: str = "program") -> dict[int, MemoryProfile]:
     """The program-order profile of each loop body of ``prog`` that runs (by loop equation index)."""
-    return {i: peak_memory(e.params["body"]) for i, e in enumerate(prog.eqns)
+    return {i: peak_memory(e.params["body"], policy=policy) for i, e in enumerate(prog.eqns)
             if e.prim == LOOP and int(e.params["length"]) > 0}
 
 
@@ -117,19 +120,21 @@ def _with_body(bd: dict[str, int], body: MemoryProfile | None) -> dict[str, int]
     return out
 
 
-def _sizes(prog: Program, initial: tuple[Var, ...]) -> dict[int, int]:
+def _sizes(prog: Program, initial: tuple[Var, ...], zero: frozenset[int] = frozenset()) -> dict[int, int]:
+    """Bytes per buffer; the ``zero`` ones never reach HBM (a hand kernel's on-chip values)."""
     size = {v.id: nbytes_of(v) for v in initial}
     for e in prog.eqns:
         for o in e.outputs:
-            size[o.id] = nbytes_of(o)
+            size[o.id] = 0 if o.id in zero else nbytes_of(o)
     return size
 
 
-def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] | None = None) -> dict[str, int]:
+def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] | None = None,
+                 policy: str = "program") -> dict[str, int]:
     """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start); at a
     loop point plus ``bodies[at]``'s (the body profile added there)."""
-    lv = liveness(program)
-    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial))
+    lv = saved_liveness(program, policy)
+    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial, on_chip(program, policy)))
     return _with_body(bd, bodies.get(at) if bodies else None)
 
 

@@ -46,6 +46,20 @@ class ProgramCosts:
     fusion: FusionCache          # the groups the chip's compiler forms, per compiler variant (built on demand)
     loops: tuple[LoopCosts, ...] = ()     # the loop equations, in program order, each with its body's analysis
     loop_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))   # their indices
+    _saved: dict[str, MemoryProfile] = field(default_factory=dict, repr=False, compare=False)
+
+    def memory_for(self, program: Program, policy: str) -> MemoryProfile:
+        """The program-order profile of ``program`` (the one analysed) when the stack keeps what
+        ``policy`` says for the backward pass (:mod:`.residuals`; built once per policy, loop
+        bodies by the same policy)."""
+        if policy == "program":
+            return self.memory
+        hit = self._saved.get(policy)
+        if hit is None:
+            hit = self._saved[policy] = peak_memory(
+                program, {lc.index: lc.body.costs.memory_for(lc.body.program, policy)
+                          for lc in self.loops if lc.length > 0}, policy)
+        return hit
 
     @property
     def static_eqns(self) -> int:

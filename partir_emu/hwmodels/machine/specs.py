@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec, EfficiencySpec, parse_compiler, parse_efficiency
+from partir_emu.hwmodels.compute.stack import XLA, StackSpec
 from partir_emu.limits import load_toml
 
 DATA_DIR = Path(__file__).parents[1] / "data"
@@ -132,6 +133,17 @@ class HardwareSpec:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     compiler: CompilerSpec = CompilerSpec()
     efficiency: EfficiencySpec = EfficiencySpec()
+    stack: StackSpec = XLA                  # the software stack the chip runs (``with_stack``)
+
+    def with_stack(self, stack: StackSpec) -> HardwareSpec:
+        """This chip running ``stack`` (:mod:`partir_emu.hwmodels.compute.stack`)."""
+        return self if stack == self.stack else replace(self, stack=stack)
+
+    @property
+    def fits_bytes(self) -> float:
+        """The largest profile peak that fits: HBM less what the stack needs beside the tensors."""
+        st = self.stack
+        return max(0.0, (self.hbm_bytes - st.reserved_bytes) / (1.0 + st.allocator_overhead))
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak matrix rate for operands of ``dtype`` (16-bit floats and ints: bf16 rate; others: f32)."""
@@ -144,7 +156,7 @@ class HardwareSpec:
                 "hbm_bytes": self.hbm_bytes, "hbm_bw_bytes_per_s": self.hbm_bw_bytes_per_s, "network": net,
                 "compiler": dict(vars(self.compiler)),
                 "efficiency": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.efficiency).items()},
-                "path": self.path}
+                "stack": self.stack.to_json(), "path": self.path}
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.flops_bf16_per_s / 1e12:g} TFLOP/s bf16, {self.hbm_bytes / 2**30:g} GiB HBM "

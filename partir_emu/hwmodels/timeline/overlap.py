@@ -178,9 +178,9 @@ def overlap_memory(plan: OverlapPlan, program: Program, profile: MemoryProfile, 
     if bd is None:
         if len(plan._breakdowns) > 16:
             plan._breakdowns.clear()
-        bd = plan._breakdowns[at] = breakdown_at(program, at, profile.bodies)
+        bd = plan._breakdowns[at] = breakdown_at(program, at, profile.bodies, profile.policy)
     out = {**bd, "prefetch_buffers": bd.get("prefetch_buffers", 0) + extra}
-    return MemoryProfile(peak, at, out, (), profile.input_bytes)
+    return MemoryProfile(peak, at, out, (), profile.input_bytes, policy=profile.policy)
 
 
 def build_plan(program: Program, is_comm: np.ndarray, deps: tuple[tuple[int, ...], ...] | None = None,

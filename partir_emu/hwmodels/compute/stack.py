@@ -1,0 +1,134 @@
+"""The software stack as a model input: what the training framework does around the kernels.
+
+A run is hardware × stack: the same H100 runs Megatron-LM's hand-fused kernels, PyTorch FSDP's
+autograd and XLA's compiled program differently. A stack profile is a TOML file (like a chip spec,
+every field with a ``<field>_source``), shared by every run of that stack, never per case:
+
+.. code-block:: toml
+
+    name = "pytorch-fsdp"
+    description = "PyTorch FSDP (llm-foundry / Composer): autograd, FlashAttention-2, caching allocator"
+
+    [kernels]
+    attention_causal_skip = true      # a causal flash kernel skips the key blocks above the diagonal
+    attention_block = 128             # ... in blocks of this many keys (and queries)
+
+    [memory]
+    saved_activations = "kernel_inputs"   # or "residuals": what is kept for the backward (.residuals)
+    reserved_bytes = 1.5e9                # per device, outside the model's tensors (context, workspaces, comm buffers)
+    allocator_overhead = 0.05             # the caching allocator's fragmentation: peak × (1 + this)
+
+What each field does to a prediction:
+
+- ``attention_causal_skip`` / ``attention_block``: the matmul and vector FLOPs of a hand-fused
+  ``flash_attention`` kernel (:mod:`.fusion`'s groups tagged by the scenario) are scaled by the
+  share of ``b × b`` blocks on or below the diagonal of an ``s × s`` score matrix,
+  ``(n + 1) / (2n)`` with ``n = ⌈s / b⌉`` (FlashAttention-2, arXiv 2307.08691 §3.1: causal blocks
+  above the diagonal are skipped); the bytes it moves are unchanged;
+- ``saved_activations``: the lifetimes :func:`.residuals.saved_liveness` gives the memory profile;
+- ``reserved_bytes`` and ``allocator_overhead``: the memory the device needs beyond the profile's
+  peak: ``needed = peak · (1 + allocator_overhead) + reserved_bytes``; a run fits if
+  ``needed <= hbm_bytes``.
+
+The default stack (:data:`XLA`, also ``--stack xla``) is the program as XLA runs it: no skipped
+blocks (the scenario's flash kernel computes every block, as MaxText's Pallas kernel did with
+``causal=False``), jax's residuals kept, nothing reserved.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partir_emu.errors import SpecError
+from partir_emu.hwmodels.compute.efficiency import check_fields
+from partir_emu.limits import load_toml
+
+POLICIES = ("residuals", "kernel_inputs")     # what a stack keeps for the backward (.residuals)
+STACK_DIR = Path(__file__).parents[1] / "data" / "stacks"
+
+_KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", False)}
+_MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
+           "allocator_overhead": ("float", False)}
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """One software stack's profile (module docstring). The default is XLA running the program."""
+
+    name: str = "xla"
+    description: str = "XLA running the program as lowered: every block computed, jax's residuals kept"
+    attention_causal_skip: bool = False
+    attention_block: int = 128
+    saved_activations: str = "residuals"
+    reserved_bytes: float = 0.0
+    allocator_overhead: float = 0.0
+    path: str = ""
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, hash=False)
+
+    def causal_share(self, seq: int) -> float:
+        """The share of a causal flash kernel's FLOPs this stack's kernel computes at sequence ``seq``."""
+        if not self.attention_causal_skip or seq <= 0:
+            return 1.0
+        n = math.ceil(seq / self.attention_block)
+        return (n + 1) / (2 * n)
+
+    def needed_bytes(self, peak_bytes: float) -> float:
+        """Device memory a run with this profile peak needs (allocator and reserved memory included)."""
+        return peak_bytes * (1.0 + self.allocator_overhead) + self.reserved_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description,
+                "attention_causal_skip": self.attention_causal_skip, "attention_block": self.attention_block,
+                "saved_activations": self.saved_activations, "reserved_bytes": self.reserved_bytes,
+                "allocator_overhead": self.allocator_overhead, "path": self.path}
+
+
+XLA = StackSpec()
+
+
+def list_stacks() -> list[str]:
+    """The built-in stack profiles (``xla`` and the files of ``partir_emu/hwmodels/data/stacks``)."""
+    return sorted({"xla", *(p.stem for p in STACK_DIR.glob("*.toml"))})
+
+
+def load_stack(name_or_path: str | os.PathLike | StackSpec | None) -> StackSpec:
+    """A stack by name (``"pytorch-fsdp"``), by path to a ``.toml`` profile, or as given (None: XLA)."""
+    if name_or_path is None or isinstance(name_or_path, StackSpec):
+        return name_or_path or XLA
+    s = str(name_or_path)
+    if s == "xla":
+        return XLA
+    path = Path(s) if s.endswith(".toml") or os.sep in s else STACK_DIR / f"{s}.toml"
+    if not path.is_file():
+        if path.parent == STACK_DIR:
+            raise SpecError(f"no software stack named {s!r}; known stacks: {', '.join(list_stacks())}. "
+                            f"Pass a path to a .toml stack profile for your own")
+        raise SpecError(f"stack profile file {s} does not exist or is not a regular file; give a .toml stack profile")
+    return stack_from_dict(load_toml(path, SpecError, what="stack profile"), str(path))
+
+
+def stack_from_dict(data: Any, where: str = "<dict>") -> StackSpec:
+    """Validate a stack profile (every field needs its ``_source``; unknown fields are errors)."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: a stack profile is a TOML table")
+    unknown = sorted(set(data) - {"name", "description", "kernels", "memory"})
+    if unknown:
+        raise SpecError(f"{where}: unknown field {unknown[0]}; a stack profile has name, description, "
+                        f"[kernels] and [memory]")
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip() or len(name) > 64:
+        raise SpecError(f"{where}: field name must be a non-empty string of at most 64 characters")
+    kernels = check_fields(data.get("kernels", {}), _KERNELS, where, "kernels")
+    memory = check_fields(data.get("memory", {}), _MEMORY, where, "memory")
+    if memory.get("allocator_overhead", 0.0) > 0.5:
+        raise SpecError(f"{where}: field memory.allocator_overhead = {memory['allocator_overhead']:g} is above 0.5; "
+                        f"it is a fraction of the peak (0.05 = 5 %)")
+    if memory.get("reserved_bytes", 0.0) > 2 ** 40:
+        raise SpecError(f"{where}: field memory.reserved_bytes = {memory['reserved_bytes']:g} is above 1 TiB per device")
+    sources = tuple(sorted((f"{t}.{k}", str(v)) for t in ("kernels", "memory")
+                           for k, v in data.get(t, {}).items() if k.endswith("_source")))
+    return StackSpec(name=name, description=str(data.get("description", "")), path=where, sources=sources,
+                     **kernels, **memory)
