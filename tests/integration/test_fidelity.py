@@ -319,3 +319,53 @@ def test_every_published_run_is_predicted_to_fit(required_report):
     misfits = {r.case.case: f"{r.sim.needed_bytes / gib:.1f} of {r.sim.hbm_bytes / gib:.1f} GiB"
                for r in results if not r.sim.fits}
     assert set(misfits) == NEEDS_MICROBATCHES, misfits
+
+
+# -- out of sample by construction: --holdout and --fits ----------------------------------------------
+def _two_sources(tmp_path, first_measured: float, second_measured: float | None = None) -> str:
+    second_measured = first_measured if second_measured is None else second_measured
+    text = tiny_data(tmp_path, dict(n="a", group="required", measured=first_measured, metric="step_s",
+                                    convention="iteration_time"),
+                     dict(n="b", group="extra", measured=second_measured, metric="step_s", convention="iteration_time"))
+    body = open(text).read().split("[[case]]")
+    body[1] = body[1].replace("stack = ", 'source_id = "table A"\nstack = ')
+    body[2] = body[2].replace("stack = ", 'source_id = "table B"\nstack = ')
+    open(text, "w").write("[[case]]".join(body))
+    return text
+
+
+def test_holdout_by_source_refits_without_the_held_out_table(tmp_path, capsys):
+    """Two tables with the same run: fitted on one, the other is predicted exactly (held-out error 0);
+    with the second run measured 2 % slower, the first is predicted 2 % slow and the second 1.96 % fast
+    (step times: error = predicted/measured - 1), each fraction being the fit to the other alone."""
+    from partir_emu.app.validation.calibrate import fit_fraction
+    from partir_emu.app.validation.holdout import holdout
+    from partir_emu.hwmodels.analytical import Analyzer
+
+    # measured = what the spec's own fraction predicts, so the fits are inside the searched interval
+    probe = run_cases(load_cases(_two_sources(tmp_path, 1e-4)))
+    t = probe.results[0].predicted_step_s
+    same = load_cases(_two_sources(tmp_path, t, t))
+    rep = holdout(same, "source")
+    assert [r.group for r in rep.rows] == ["table A", "table B"]
+    assert [r.error_pct for r in rep.rows] == pytest.approx([0.0, 0.0], abs=0.05)
+    slower = load_cases(_two_sources(tmp_path, t, 1.02 * t))
+    rep = holdout(slower, "source")
+    a, b = rep.rows
+    analyzer, programs = Analyzer(), ProgramCache()
+    assert a.fraction == pytest.approx(fit_fraction([slower[1]], analyzer.spec("tpu-v4"), programs, analyzer))
+    assert a.error_pct == pytest.approx(2.0, abs=0.05) and b.error_pct == pytest.approx(100 * (1 / 1.02 - 1), abs=0.05)
+    assert main(["fidelity", "--data", _two_sources(tmp_path, t, t), "--holdout", "chip"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("no fit possible") == 2      # one fitted chip, held out: no case left to fit it on
+
+
+def test_fits_lists_every_fitted_constant_with_its_cases(capsys):
+    assert main(["fidelity", "--fits"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if "[efficiency]" in ln}
+    assert set(rows) == {"tpu-v4", "tpu-v5e"}                  # the GPUs' constants are sourced, not fitted
+    assert "maxtext-22b-v4, maxtext-52b-v4" in rows["tpu-v4"]
+    for line in rows.values():
+        spec, refit = (float(x) for x in line.split()[3:5])
+        assert spec == pytest.approx(refit, abs=0.01), line    # the spec holds the value the data give

@@ -12,6 +12,7 @@ from partir_emu.app.common import write_report
 from partir_emu.app.validation.calibrate import calibrate
 from partir_emu.app.validation.fidelity import explain, run_cases
 from partir_emu.app.validation.fidelity_data import load_cases, select
+from partir_emu.app.validation.holdout import fits_table, fitted_constants, holdout
 from partir_emu.errors import UsageError
 
 
@@ -19,8 +20,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fidelity", help="predicted vs published measured training runs (error per case)")
     p.add_argument("--case", dest="cases", nargs="+", default=None, metavar="NAME",
                    help="run these cases (any group) instead of a group")
-    p.add_argument("--group", choices=("required", "extra", "all"), default="required",
-                   help="which cases to run (default %(default)s: the five of issue 10)")
+    p.add_argument("--group", choices=("required", "extra", "all"), default=None,
+                   help="which cases to run (default: required, the five of issue 10; with --holdout: all)")
     p.add_argument("--data", default=None, metavar="FILE.toml",
                    help="a data file of measurements in the packaged file's format (default: the packaged one)")
     p.add_argument("--report", default=None, metavar="FILE.json", help="write the JSON report here")
@@ -28,6 +29,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fit", default=None, metavar="CHIP",
                    help="fit CHIP's sustained matmul fraction to its cases in the data file and print it with "
                         "each case's leave-one-out error (see partir_emu.app.validation.calibrate)")
+    p.add_argument("--holdout", default=None, choices=("source", "chip", "stack"),
+                   help="refit every fitted constant without each group of cases (by published table, chip or "
+                        "stack) and print each case's error predicted with constants not fitted to it")
+    p.add_argument("--fits", action="store_true",
+                   help="list every fitted constant of the model with the cases it is fitted on")
     p.add_argument("--explain", action="store_true",
                    help="with --case: print why each prediction is what it is (time by op kind and the rate it "
                         "achieved, exposed communication by axes, memory by category)")
@@ -43,9 +49,23 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if args.fit:
         print(calibrate(args.fit, load_cases(args.data)).table())
         return 0
-    cases = select(load_cases(args.data), args.cases, args.group)
+    if args.fits:
+        print(fits_table(fitted_constants(load_cases(args.data))))
+        return 0
+    if args.holdout:
+        cases = select(load_cases(args.data), args.cases, args.group or "all")
+        with Phases("fidelity", quiet=args.quiet) as phases:
+            phases.phase(f"--holdout {args.holdout}")
+            ho = holdout(cases, args.holdout)
+        write_report(ho.to_json(), args.report)
+        print(ho.table())
+        if args.report:
+            print(f"wrote {args.report}")
+        return 0
+    group = args.group or "required"
+    cases = select(load_cases(args.data), args.cases, group)
     if not cases:
-        raise UsageError(f"--group {args.group}: the data file has no such cases")
+        raise UsageError(f"--group {group}: the data file has no such cases")
     with Phases("fidelity", quiet=args.quiet) as phases:
         rep = run_cases(cases, on_case=lambda c: phases.phase(f"case {c.case}"))
     write_report(rep.to_json(), args.report)

@@ -115,11 +115,11 @@ def calibrate(chip: str, cases: Sequence[PublishedRun], *, programs: ProgramCach
         (e,) = log_errors([case], with_matmul_fraction(spec, f_i), programs, analyzer)
         loo.append(100 * math.expm1(e))
     return Calibration(chip, fraction, spec.efficiency.matmul_peak_fraction,
-                       _fraction_source(spec), tuple(c.case for c in mine),
+                       fraction_source(spec), tuple(c.case for c in mine),
                        tuple(in_sample), tuple(loo))
 
 
-def _fraction_source(spec: HardwareSpec) -> str:
+def fraction_source(spec: HardwareSpec) -> str:
     """The ``matmul_peak_fraction_source`` string of the spec's file ("" if it has none)."""
     try:
         data = load_toml(spec.path, SpecError, "hardware spec")
@@ -128,4 +128,4 @@ def _fraction_source(spec: HardwareSpec) -> str:
     return str(data.get("efficiency", {}).get("matmul_peak_fraction_source", ""))
 
 
-__all__ = ["Calibration", "calibrate", "fit_fraction", "log_errors", "with_matmul_fraction"]
+__all__ = ["Calibration", "calibrate", "fit_fraction", "fraction_source", "log_errors", "with_matmul_fraction"]

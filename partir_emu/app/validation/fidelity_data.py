@@ -104,6 +104,7 @@ class PublishedRun:
     metric: str
     convention: str
     stack: str = "xla"
+    source_key: str = ""               # the published table (``source_id``); "" : from ``source``
     published_mfu: float | None = None
     published_hfu: float | None = None
     notes: str = ""
@@ -125,6 +126,11 @@ class PublishedRun:
         """FLOPs of one step by the source's convention (None for ``iteration_time``)."""
         fn = CONVENTIONS[self.convention].flops
         return None if fn is None else fn(cfg, n_params)
+
+    @property
+    def source_id(self) -> str:
+        """The published table this run comes from (the groups of ``--holdout source``)."""
+        return self.source_key or self.source.split(",", 1)[0].strip()
 
     @property
     def tokens_per_step(self) -> int:
@@ -153,7 +159,8 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "case": str, "group": str, "source": str, "hardware": str, "chips": int, "strategy": str, "mesh": dict,
     "global_batch": int, "set": dict, "measured": (int, float), "metric": str, "convention": str, "stack": str}
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {
-    "published_mfu": (int, float), "published_hfu": (int, float), "notes": str, "scenario": str, "placement": str}
+    "published_mfu": (int, float), "published_hfu": (int, float), "notes": str, "scenario": str, "placement": str,
+    "source_id": str}
 
 
 def _check_fields(d: Any, at: str) -> None:
@@ -210,7 +217,9 @@ def parse_case(d: Any, at: str) -> PublishedRun:
     """One ``[[case]]`` table, checked; errors name ``at`` (file and case) and the field."""
     _check_fields(d, at)
     _check_values(d, at)
-    kw = {k: d[k] for k in _OPTIONAL if k in d}
+    kw = {k: d[k] for k in _OPTIONAL if k in d and k != "source_id"}
+    if "source_id" in d:
+        kw["source_key"] = d["source_id"]
     for k in ("published_mfu", "published_hfu"):
         if k in kw:
             kw[k] = float(kw[k])

@@ -1,0 +1,148 @@
+"""Out-of-sample errors by construction: ``partir-emu fidelity --holdout source|chip|stack`` and
+``--fits``.
+
+Every constant of the model that is *fitted* to the published runs, rather than sourced from a
+datasheet or a microbenchmark, is listed by :func:`fitted_constants` with the cases it was fitted
+on (``--fits``). Today these are the sustained matmul fractions of the chips whose spec says
+``matmul_peakfraction_source = "fit: ..."`` (:mod:`.calibrate`: one number per chip, the median
+step-time error of the chip's cases zero).
+
+``--holdout KEY`` splits the cases by ``KEY`` (the case's ``source_id``, ``hardware`` or ``stack``).
+For each group it refits every fitted constant on the *other* groups' cases only and predicts
+the group's cases with those constants: the error of each case is then an error on a run the
+model was not fitted to. A fitted chip with no case left to fit on takes the mean of the other
+fitted chips' refitted fractions (the prior an unseen chip of the family gets, as tpu-v3 and
+tpu-v5p do in their spec files); with no fitted chip left at all, its cases cannot be predicted
+out of sample and are reported as such (``None``), never with the in-sample value.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from partir_emu.app.programs import ProgramCache
+from partir_emu.app.validation.calibrate import fit_fraction, fraction_source, with_matmul_fraction
+from partir_emu.app.validation.fidelity import run_case
+from partir_emu.app.validation.fidelity_data import FidelityDataError, PublishedRun
+from partir_emu.hwmodels.analytical import Analyzer
+
+HOLDOUT_KEYS = ("source", "chip", "stack")
+
+
+def group_of(case: PublishedRun, key: str) -> str:
+    """The case's group under ``--holdout key``."""
+    if key == "source":
+        return case.source_id
+    if key == "chip":
+        return case.hardware
+    if key == "stack":
+        return case.stack
+    raise FidelityDataError(f"--holdout {key!r}: use one of {', '.join(HOLDOUT_KEYS)}")
+
+
+def is_fitted(chip: str, analyzer: Analyzer) -> bool:
+    """Does ``chip``'s spec say its matmul fraction is a fit to published runs?"""
+    return fraction_source(analyzer.spec(chip)).lstrip().lower().startswith("fit")
+
+
+@dataclass(frozen=True)
+class FittedConstant:
+    name: str                      # e.g. "tpu-v4 [efficiency] matmul_peak_fraction"
+    value: float                   # in the spec file
+    refit: float                   # fitted now from the data file's cases
+    cases: tuple[str, ...]         # the cases it is fitted on
+
+
+def fitted_constants(cases: Sequence[PublishedRun], *, programs: ProgramCache | None = None,
+                     analyzer: Analyzer | None = None) -> list[FittedConstant]:
+    """Every fitted constant with the cases of ``cases`` it is fitted on (``--fits``)."""
+    programs = programs if programs is not None else ProgramCache()
+    analyzer = analyzer if analyzer is not None else Analyzer()
+    out = []
+    for chip in sorted({c.hardware for c in cases}):
+        if not is_fitted(chip, analyzer):
+            continue
+        mine = [c for c in cases if c.hardware == chip]
+        spec = analyzer.spec(chip)
+        out.append(FittedConstant(f"{chip} [efficiency] matmul_peak_fraction", spec.efficiency.matmul_peak_fraction,
+                                  fit_fraction(mine, spec, programs, analyzer), tuple(c.case for c in mine)))
+    return out
+
+
+def fits_table(consts: Sequence[FittedConstant]) -> str:
+    lines = [f"{'fitted constant':<42}{'spec':>8}{'refit':>8}  fitted on"]
+    for k in consts:
+        lines.append(f"{k.name:<42}{k.value:>8.3f}{k.refit:>8.3f}  {', '.join(k.cases)}")
+    lines.append("(every other constant of the hardware specs and stack profiles is sourced: `partir-emu hardware NAME`)")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    case: PublishedRun
+    group: str
+    fraction: float | None         # the refitted matmul fraction it was predicted with (None: not fitted)
+    error_pct: float | None        # None: no fit possible without the held-out group
+
+
+@dataclass(frozen=True)
+class HoldoutReport:
+    key: str
+    rows: tuple[HeldOut, ...]
+
+    def errors(self) -> list[float]:
+        return [abs(r.error_pct) for r in self.rows if r.error_pct is not None]
+
+    def table(self) -> str:
+        lines = [f"--holdout {self.key}: each group predicted with constants fitted on the other groups only",
+                 f"{'case':<17}{'group':<36}{'fraction':>9}{'held-out error':>16}"]
+        for r in self.rows:
+            frac = "-" if r.fraction is None else f"{r.fraction:.3f}"
+            err = "no fit possible" if r.error_pct is None else f"{r.error_pct:+.1f}%"
+            lines.append(f"{r.case.case:<17}{r.group[:35]:<36}{frac:>9}{err:>16}")
+        errs = self.errors()
+        if errs:
+            lines.append(f"held out by {self.key}: median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}% "
+                         f"(n = {len(errs)} of {len(self.rows)})")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        errs = self.errors()
+        return {"holdout": self.key, "cases": [{"case": r.case.case, "group": r.group, "fraction": r.fraction,
+                                                "error_pct": r.error_pct} for r in self.rows],
+                "median_abs_error_pct": statistics.median(errs) if errs else None,
+                "max_abs_error_pct": max(errs) if errs else None}
+
+
+def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache | None = None,
+            analyzer: Analyzer | None = None) -> HoldoutReport:
+    """Every case predicted with the fitted constants refitted without its ``key`` group."""
+    programs = programs if programs is not None else ProgramCache()
+    analyzer = analyzer if analyzer is not None else Analyzer()
+    groups = list(dict.fromkeys(group_of(c, key) for c in cases))
+    fitted = {c.hardware for c in cases if is_fitted(c.hardware, analyzer)}
+    rows: list[HeldOut] = []
+    for g in groups:
+        train = [c for c in cases if group_of(c, key) != g]
+        fractions = {chip: fit_fraction(mine, analyzer.spec(chip), programs, analyzer)
+                     for chip in sorted(fitted) if (mine := [c for c in train if c.hardware == chip])}
+        prior = statistics.mean(fractions.values()) if fractions else None
+        for case in (c for c in cases if group_of(c, key) == g):
+            spec = analyzer.spec(case.hardware)
+            if case.hardware in fitted:
+                f = fractions.get(case.hardware, prior)
+                if f is None:
+                    rows.append(HeldOut(case, g, None, None))
+                    continue
+                spec = with_matmul_fraction(spec, f)
+            else:
+                f = None
+            r = run_case(case, programs, analyzer, spec=spec)
+            rows.append(HeldOut(case, g, f, r.error_pct))
+    order = {c.case: i for i, c in enumerate(cases)}
+    return HoldoutReport(key, tuple(sorted(rows, key=lambda r: order[r.case.case])))
+
+
+__all__ = ["HOLDOUT_KEYS", "FittedConstant", "HeldOut", "HoldoutReport", "fits_table", "fitted_constants",
+           "group_of", "holdout", "is_fitted"]
