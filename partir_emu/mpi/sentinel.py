@@ -23,7 +23,8 @@ proxy has ended without doing so (killed with mpiexec):
   SIGINT: …``;
 
 - mpiexec gone while the ranks run (the proxy lost its parent, or the proxy itself is gone:
-  hydra's proxy should SIGKILL its ranks then, and under load was seen not to for a minute):
+  hydra's proxy should SIGKILL its ranks then, and under load was seen to leave them running for
+  a minute, to their own ``--timeout``):
   the ranks are stopped here (SIGTERM, SIGKILL ``GRACE_S`` later) and the line says so;
 - nothing after a clean run.
 
@@ -44,30 +45,33 @@ from pathlib import Path
 
 from partir_emu.mpi.deaths import TIE_S, DeathWatch
 from partir_emu.mpi.failure_report import silent_death_lines
-from partir_emu.mpi.supervise import is_alive, parent_of, proxy_files, remove_hwloc, remove_segments
-from partir_emu.runtime.progress import read_records
+from partir_emu.mpi.supervise import holds_file, is_alive, parent_of, proxy_files, remove_hwloc, remove_segments
+from partir_emu.runtime.progress import progress_path, read_records
 
 LAUNCHER_SCAN_S = 0.25     # how often the sentinel checks that mpiexec is still there
 GRACE_S = 3.0              # SIGTERM to SIGKILL when it stops the ranks itself
 
 
-def stop_ranks(records: list[dict], proxy: int) -> None:
-    """SIGTERM the ranks of ``records`` that are still the proxy's children (a pid reused since is
-    not), then SIGKILL those left ``GRACE_S`` later."""
-    def ours(pid: int) -> bool:
-        return parent_of(pid) == proxy and is_alive(pid)
+def stop_ranks(records: list[dict], progress_dir: str) -> None:
+    """SIGTERM the ranks of ``records`` that still run, then SIGKILL those left ``GRACE_S`` later. A
+    rank is known by the pid in its record *and* holding its progress file open (its ``flock``): a
+    pid reused since is not ours, and a rank the proxy left behind (orphaned) still is."""
+    def ours(pid: int, rank: int) -> bool:
+        return is_alive(pid) and holds_file(pid, progress_path(progress_dir, rank))
 
-    pids = [int(r["pid"]) for r in records if isinstance(r.get("pid"), int) and ours(int(r["pid"]))]
+    ranks = [(int(r["pid"]), int(r["rank"])) for r in records
+             if isinstance(r.get("pid"), int) and isinstance(r.get("rank"), int)]
+    ranks = [(p, r) for p, r in ranks if ours(p, r)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+        for pid, _ in ranks:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         deadline = time.monotonic() + GRACE_S
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(ours(p) for p in pids):
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(ours(p, r) for p, r in ranks):
             time.sleep(0.05)
-        pids = [p for p in pids if ours(p)]
+        ranks = [(p, r) for p, r in ranks if ours(p, r)]
 
 
 def verdict(silent: list[tuple[float, dict]], records: list[dict], removed: int, tie_s: float = TIE_S) -> str | None:
@@ -104,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = watch.wait_exits(args.ranks, min(LAUNCHER_SCAN_S, max(0.0, end - time.monotonic())))
         if not done and not lost and launcher is not None and parent_of(args.proxy) != launcher:
             lost = True                         # mpiexec is gone: nothing will ever finish this job
-            stop_ranks(read_records(args.dir), args.proxy)
+            stop_ranks(read_records(args.dir), args.dir)
             end = min(end, time.monotonic() + 2 * GRACE_S)
     watch.stop()
     if not done:                                # ranks still alive: their segment is in use

@@ -107,6 +107,22 @@ def is_alive(pid: int) -> bool:
     return _start_time(pid) is not None
 
 
+def holds_file(pid: int, path: str | os.PathLike) -> bool:
+    """Does process ``pid`` have ``path`` open?"""
+    want = os.path.realpath(path)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _cmdline_has(pid: int, marker: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

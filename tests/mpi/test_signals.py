@@ -214,10 +214,12 @@ def test_signal_to_users_mpiexec(tmp_path, sig):
     _assert_nothing_left(tmp_path, tree, proc.pid, shm)
 
 
-def test_ranks_are_stopped_when_mpiexec_is_gone_and_its_proxy_does_nothing(tmp_path):
-    """mpiexec SIGKILLed while its proxy cannot act (SIGSTOPped: under load a proxy was seen to leave
-    its ranks running for a minute): the host's sentinel sees the proxy lose its parent, stops the
-    ranks itself; nothing is left behind."""
+@pytest.mark.parametrize("proxy_sig", [signal.SIGSTOP, signal.SIGKILL], ids=["proxy-stopped", "proxy-killed"])
+def test_ranks_are_stopped_when_mpiexec_is_gone_and_its_proxy_does_nothing(tmp_path, proxy_sig):
+    """mpiexec SIGKILLed while its proxy cannot act (SIGSTOPped, or SIGKILLed so the ranks are
+    orphans: under load a proxy was seen to leave its ranks running for a minute, to their own
+    --timeout): the host's sentinel sees the proxy lose its parent (or vanish), stops the ranks
+    itself; nothing is left behind."""
     proc = subprocess.Popen([str(MPIEXEC), "-n", "2", str(EXE), *RUN, "--devices-per-rank", "1", *_fault("rank:1:op:0:hang")],
                             env=_env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -230,7 +232,7 @@ def test_ranks_are_stopped_when_mpiexec_is_gone_and_its_proxy_does_nothing(tmp_p
         proxies = sorted({int((_stat(p) or [0, 0])[1]) for p in ranks})
         assert proxies and proc.pid not in proxies
         for p in proxies:
-            os.kill(p, signal.SIGSTOP)
+            os.kill(p, proxy_sig)
         t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=wall(10))
