@@ -6,15 +6,18 @@ one died, and nobody removes MPICH's ``/dev/shm/mpich_shm_*`` segment. So the fi
 each host starts this process (:func:`partir_emu.mpi.ranks.worker.guard_under_mpirun`) in a
 session of its own, where mpiexec's clean-up does not reach it::
 
-    python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak] [--proxy PID]
+    python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak]
+        [--proxy PID --proxy-start T [--launcher PID] [--hwloc FILE]...]
 
 ``DIR`` holds the progress records of the host's ``N`` ranks, each ``flock``-ed by its rank
 while it lives (:class:`~partir_emu.mpi.deaths.DeathWatch` learns each exit). Once all
 ``N`` have exited it removes the segments the ranks reported and ``DIR``, and with
 ``--speak`` (the host of rank 0) prints at most one line to the stderr it shares with the
-ranks (mpiexec forwards it, and waits for it to close before it exits). With ``--proxy PID`` (the
-ranks' parent, hydra's proxy) it also removes the proxy's ``/tmp/hydra_hwloc_xmlfile_*`` once the
-proxy has ended without doing so (killed with mpiexec):
+ranks (mpiexec forwards it, and waits for it to close before it exits). The ``--proxy`` options are
+the :class:`~partir_emu.mpi.supervise.ProxyLineage` the starting rank noted (the ranks' parent,
+hydra's proxy, and its parent, mpiexec: this process may start seconds later, when they may be gone
+already); with them it also removes the proxy's ``/tmp/hydra_hwloc_xmlfile_*`` once the proxy has
+ended without doing so (killed with mpiexec):
 
 - a rank that died without a word: ``partir-emu rank R device D op K (…): died without a
   message; it was the first rank to exit, …`` (a rank that failed knowingly printed its own:
@@ -45,7 +48,7 @@ from pathlib import Path
 
 from partir_emu.mpi.deaths import TIE_S, DeathWatch
 from partir_emu.mpi.failure_report import silent_death_lines
-from partir_emu.mpi.supervise import holds_file, is_alive, parent_of, proxy_files, remove_hwloc, remove_segments
+from partir_emu.mpi.supervise import ProxyLineage, holds_file, is_alive, remove_hwloc, remove_segments
 from partir_emu.runtime.progress import progress_path, read_records
 
 LAUNCHER_SCAN_S = 0.25     # how often the sentinel checks that mpiexec is still there
@@ -96,17 +99,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=math.inf, help="give up after this many seconds")
     ap.add_argument("--speak", action="store_true", help="print the line (one host of the job does)")
     ap.add_argument("--proxy", type=int, default=None, help="the ranks' parent (hydra's proxy) on this host")
+    ap.add_argument("--proxy-start", type=int, default=0, help="its start time (/proc/PID/stat field 22)")
+    ap.add_argument("--launcher", type=int, default=None, help="the proxy's parent as the ranks started (mpiexec)")
+    ap.add_argument("--hwloc", action="append", default=[], help="a hwloc file the proxy held")
     args = ap.parse_args(argv)
-    held, started = proxy_files(args.proxy) if args.proxy else (set(), None)
+    lineage = (ProxyLineage(args.proxy, args.proxy_start or None, args.launcher, tuple(args.hwloc))
+               if args.proxy else None)
     for s in (signal.SIGINT, signal.SIGHUP):    # the terminal's signals are the ranks' to handle
         signal.signal(s, signal.SIG_IGN)
     watch = DeathWatch(Path(args.dir))
-    launcher = parent_of(args.proxy) if args.proxy else None
     done = lost = False
     end = time.monotonic() + args.deadline
     while not done and time.monotonic() < end:
         done = watch.wait_exits(args.ranks, min(LAUNCHER_SCAN_S, max(0.0, end - time.monotonic())))
-        if not done and not lost and launcher is not None and parent_of(args.proxy) != launcher:
+        if not done and not lost and lineage is not None and lineage.lost():
             lost = True                         # mpiexec is gone: nothing will ever finish this job
             stop_ranks(read_records(args.dir), args.dir)
             end = min(end, time.monotonic() + 2 * GRACE_S)
@@ -126,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
         except OSError:                         # mpiexec is gone (SIGHUP): nobody to tell
             pass
-    if held:
+    if lineage is not None and lineage.hwloc:
         # a proxy killed with mpiexec (SIGHUP) leaves its hwloc file in /tmp; a live one removes it as
         # it ends, which it does only once our stdout and stderr (its pipes) are closed: close them first
         for fd in (1, 2):
@@ -134,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.close(fd)
             except OSError:
                 pass
-        remove_hwloc(held, args.proxy, started, wait_s=5.0)
+        remove_hwloc(lineage.hwloc, lineage.proxy, lineage.proxy_start, wait_s=5.0)
     return 0
 
 

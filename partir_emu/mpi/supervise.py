@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +194,39 @@ def remove_hwloc(paths: Iterable[str], holder: int | None = None, started: int |
     return removed
 
 
-def proxy_files(pid: int) -> tuple[set[str], int | None]:
-    """The hwloc files process ``pid`` (a rank's parent: hydra's proxy) holds, and its start time."""
-    return hwloc_files([pid]), _start_time(pid)
+@dataclass(frozen=True)
+class ProxyLineage:
+    """Who launched a rank, noted by the rank itself as it starts (while mpiexec surely lives):
+    its parent (hydra's proxy, by pid and start time), the proxy's parent (mpiexec, or the
+    ssh daemon on another host) and the hwloc files the proxy holds. A watcher that started
+    later cannot learn these any more once mpiexec or the proxy is gone, and under load it
+    starts seconds later."""
+    proxy: int
+    proxy_start: int | None
+    launcher: int | None
+    hwloc: tuple[str, ...] = ()
+
+    @classmethod
+    def of_parent(cls) -> ProxyLineage:
+        proxy = os.getppid()
+        launcher = parent_of(proxy)
+        return cls(proxy, _start_time(proxy), launcher if launcher and launcher > 1 else None,
+                   tuple(sorted(hwloc_files([proxy]))))
+
+    def lost(self) -> bool:
+        """The job's launcher is gone: the proxy has ended (or is another process now), or it has
+        lost its parent. Nothing will finish the job then. (No launcher noted: never.)"""
+        if self.launcher is None:
+            return False
+        return _start_time(self.proxy) != self.proxy_start or parent_of(self.proxy) != self.launcher
+
+    def argv(self) -> list[str]:
+        out = ["--proxy", str(self.proxy), "--proxy-start", str(self.proxy_start or 0)]
+        if self.launcher is not None:
+            out += ["--launcher", str(self.launcher)]
+        for path in self.hwloc:
+            out += ["--hwloc", path]
+        return out
 
 
 def hwloc_files(pids: Iterable[int]) -> set[str]:

@@ -53,6 +53,7 @@ from partir_emu.mpi.jobs import load_inputs, read_jobs, write_job_result
 from partir_emu.mpi.ranks.guard import START_WALL, RankGuard
 from partir_emu.mpi.ranks.mesh import MpiMesh
 from partir_emu.mpi.ranks.wait import wait_all
+from partir_emu.mpi.supervise import ProxyLineage
 from partir_emu.runtime.local_mesh import check_global_inputs
 
 
@@ -165,7 +166,7 @@ def _start_sentinel(progress_dir: str, ranks: int, timeout_s: float | None, spea
     root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "partir_emu.mpi.sentinel", "--dir", progress_dir, "--ranks", str(ranks),
-           "--proxy", str(os.getppid())]
+           *ProxyLineage.of_parent().argv()]    # noted now: mpiexec may be gone by the time it runs
     if timeout_s:
         cmd += ["--deadline", str(timeout_s + 60.0)]     # the ranks' watchdogs end them by timeout_s
     if speak:
