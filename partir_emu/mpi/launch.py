@@ -2,7 +2,7 @@
 
 ``MpiRun(jobs, R).start().wait()`` writes the jobs file (:mod:`partir_emu.mpi.jobs`) to a
 work dir and starts ``<venv>/bin/mpiexec -n R python -m partir_emu.mpi.ranks.worker --jobs FILE``
-under :mod:`partir_emu.mpi.supervise` (own process group, ``MPIEXEC_TIMEOUT`` set, a
+under :mod:`partir_emu.mpi.procs.supervise` (own process group, ``MPIEXEC_TIMEOUT`` set, a
 deadline of its own). No rank imports jax. Rank 0 writes each job's unsharded outputs (.npz)
 and stats (JSON); :meth:`MpiRun.wait` returns them. (:func:`partir_emu.app.cli.mpi_run.launch`
 runs jobs that name a scenario, in a temporary work dir.)
@@ -41,8 +41,8 @@ from partir_emu.mpi.failure_report import WARNING_PREFIX, failure_message
 from partir_emu.mpi.faults import parse_fault
 from partir_emu.mpi.interrupts import note, signals_deferred
 from partir_emu.mpi.jobs import read_job_result, write_jobs
-from partir_emu.mpi.reaper import Reaper
-from partir_emu.mpi.supervise import Supervised, cleanup_shm, is_hydra, mpiexec_path
+from partir_emu.mpi.procs.reaper import Reaper
+from partir_emu.mpi.procs.supervise import Supervised, cleanup_shm, is_hydra, mpiexec_path
 from partir_emu.runtime.progress import read_records
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -122,7 +122,7 @@ class MpiRun:
             raise
         self.start_wall = self.process.start_wall
         assert self.process.proc is not None
-        # the watcher that cleans up should this process be SIGKILLed (partir_emu.mpi.reaper)
+        # the watcher that cleans up should this process be SIGKILLed (partir_emu.mpi.procs.reaper)
         self.reaper = Reaper({"pgid": self.process.proc.pid, "marker": str(self.workdir),
                               "progress": str(self.progress_dir), "shm_before": sorted(self.process.shm_before),
                               "since": self.start_wall, "workdir": str(self.workdir),

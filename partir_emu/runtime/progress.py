@@ -9,8 +9,8 @@ MPICH segments), ``t`` (wall time) and, inside the step, ``op``/``prim``/
 ``[equation index, iteration]`` of each enclosing loop, outermost first; and ``seq``, the
 collective's number in the run, which orders positions across iterations), plus ``error`` once it failed
 and ``stopped_by`` (``SIGTERM`` …) once a stop signal ended it.
-The launcher's supervisor (:mod:`partir_emu.mpi.supervise`), or under a
-user's mpirun the host's :mod:`partir_emu.mpi.sentinel`, reads these
+The launcher's supervisor (:mod:`partir_emu.mpi.procs.supervise`), or under a
+user's mpirun the host's :mod:`partir_emu.mpi.procs.sentinel`, reads these
 records to say which rank died first, in which op. Neither side imports mpi4py
 for this.
 """

@@ -31,7 +31,7 @@ def _hwloc_now() -> set[str]:
 
 
 def _held() -> set[str]:
-    from partir_emu.mpi.supervise import hwloc_files
+    from partir_emu.mpi.procs.supervise import hwloc_files
     return hwloc_files(int(d) for d in os.listdir("/proc") if d.isdigit())
 
 

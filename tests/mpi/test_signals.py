@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from partir_emu.mpi.supervise import hwloc_files
+from partir_emu.mpi.procs.supervise import hwloc_files
 from tests.conftest import wall
 from tests.mpi.conftest import MPIEXEC
 
@@ -302,7 +302,7 @@ def test_timeout_under_users_mpiexec_is_reported_once(tmp_path):
 
 
 def test_sigkill_of_the_launcher_leaves_nothing(tmp_path):
-    """The launcher SIGKILLed (no code of it runs): its watcher (partir_emu.mpi.reaper) stops
+    """The launcher SIGKILLed (no code of it runs): its watcher (partir_emu.mpi.procs.reaper) stops
     mpiexec and the ranks, removes their shm segment and the run's temp dir, within 10 s."""
     proc = subprocess.Popen([str(EXE), *RUN, "--devices", "2", *_fault("rank:1:op:0:hang")], env=_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

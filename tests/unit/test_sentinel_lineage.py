@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from partir_emu.mpi.supervise import ProxyLineage, _start_time, is_alive
+from partir_emu.mpi.procs.supervise import ProxyLineage
+from partir_emu.mpi.procs.table import is_alive, start_time
 from partir_emu.runtime.progress import progress_path
 
 RANK = """
@@ -47,7 +48,7 @@ def _job(tmp: Path) -> tuple[subprocess.Popen, dict]:
 
 def _sentinel(tmp: Path, lineage: ProxyLineage) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "partir_emu.mpi.sentinel", "--dir", str(tmp), "--ranks", "1",
+    return subprocess.run([sys.executable, "-m", "partir_emu.mpi.procs.sentinel", "--dir", str(tmp), "--ranks", "1",
                            "--deadline", "30", "--speak", *lineage.argv()],
                           env=env, capture_output=True, text=True, timeout=60)
 
@@ -57,7 +58,7 @@ def test_a_sentinel_started_after_the_launcher_died_stops_the_ranks(tmp_path, go
     launcher, pids = _job(tmp_path)
     try:
         assert pids["proxy"] != launcher.pid
-        lineage = ProxyLineage(pids["proxy"], _start_time(pids["proxy"]), launcher.pid)
+        lineage = ProxyLineage(pids["proxy"], start_time(pids["proxy"]), launcher.pid)
         assert not lineage.lost()
         os.kill(launcher.pid if gone == "launcher" else pids["proxy"], signal.SIGKILL)
         if gone == "launcher":
@@ -85,12 +86,12 @@ def test_a_sentinel_started_after_the_launcher_died_stops_the_ranks(tmp_path, go
 
 def test_a_lineage_without_a_launcher_is_never_lost(tmp_path):
     """A rank whose parent had no parent to note (started by init) is not judged by its lineage."""
-    lineage = ProxyLineage(os.getpid(), _start_time(os.getpid()), None)
+    lineage = ProxyLineage(os.getpid(), start_time(os.getpid()), None)
     assert not lineage.lost()
     assert "--launcher" not in lineage.argv()
 
 
 def test_a_lineage_notes_the_parent_and_its_parent():
     here = ProxyLineage.of_parent()
-    assert here.proxy == os.getppid() and here.proxy_start == _start_time(os.getppid())
+    assert here.proxy == os.getppid() and here.proxy_start == start_time(os.getppid())
     assert not here.lost()

@@ -19,7 +19,7 @@ other ranks return ``None``. Works with a hostfile and the system's ``mpirun`` a
 Stopping (Ctrl-C, SIGTERM, SIGHUP): self-launched, the launcher stops mpiexec and the ranks,
 removes the shm segments and the temp dir, and the CLI prints one line; under the user's
 mpirun the ranks drop their segment and exit, and the host's sentinel
-(:mod:`partir_emu.mpi.sentinel`) prints the one line — or names the rank that died.
+(:mod:`partir_emu.mpi.procs.sentinel`) prints the one line — or names the rank that died.
 
 Either way the report is the local backend's plus ``ranks``, ``devices_per_rank``,
 ``launch_s`` (mpiexec start, or the first rank's start, to the last rank holding its

@@ -25,7 +25,7 @@ even when it died without a word (SIGKILL, OOM).
 A stop signal (SIGINT/SIGTERM/SIGHUP: mpiexec forwards the user's, the launcher sends
 SIGTERM) makes a rank note ``stopped_by`` in its record, remove the segment and exit
 128 + signum without a word. Under a user's mpirun :func:`guard_under_mpirun` adds a
-:mod:`partir_emu.mpi.sentinel` per host, which names a rank that died without a word (or
+:mod:`partir_emu.mpi.procs.sentinel` per host, which names a rank that died without a word (or
 the signal that stopped the job) in one line and removes what the ranks could not.
 A job's ``"fault": "rank:R:op:K:MODE"`` is a **test hook** that injects a failure
 (:mod:`partir_emu.mpi.faults`).
@@ -50,10 +50,10 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArtifactError, EmulationError
 from partir_emu.mpi.faults import parse_fault
 from partir_emu.mpi.jobs import load_inputs, read_jobs, write_job_result
+from partir_emu.mpi.procs.supervise import ProxyLineage
 from partir_emu.mpi.ranks.guard import START_WALL, RankGuard
 from partir_emu.mpi.ranks.mesh import MpiMesh
 from partir_emu.mpi.ranks.wait import wait_all
-from partir_emu.mpi.supervise import ProxyLineage
 from partir_emu.runtime.local_mesh import check_global_inputs
 
 
@@ -139,7 +139,7 @@ _STRIP_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALR
 
 def guard_under_mpirun(comm: MPI.Intracomm, timeout_s: float | None) -> RankGuard:
     """This rank's :class:`RankGuard`, its progress record in a directory per host that the
-    host's first rank made, watched by a :mod:`partir_emu.mpi.sentinel` it starts (no
+    host's first rank made, watched by a :mod:`partir_emu.mpi.procs.sentinel` it starts (no
     launcher of ours watches a user's mpiexec: the sentinel names a rank that died without a
     word, and removes the ``/dev/shm`` segment and the directory)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -165,7 +165,7 @@ def _start_sentinel(progress_dir: str, ranks: int, timeout_s: float | None, spea
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP_ENV)}
     root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "partir_emu.mpi.sentinel", "--dir", progress_dir, "--ranks", str(ranks),
+    cmd = [sys.executable, "-m", "partir_emu.mpi.procs.sentinel", "--dir", progress_dir, "--ranks", str(ranks),
            *ProxyLineage.of_parent().argv()]    # noted now: mpiexec may be gone by the time it runs
     if timeout_s:
         cmd += ["--deadline", str(timeout_s + 60.0)]     # the ranks' watchdogs end them by timeout_s

@@ -6,7 +6,7 @@ one died, and nobody removes MPICH's ``/dev/shm/mpich_shm_*`` segment. So the fi
 each host starts this process (:func:`partir_emu.mpi.ranks.worker.guard_under_mpirun`) in a
 session of its own, where mpiexec's clean-up does not reach it::
 
-    python -m partir_emu.mpi.sentinel --dir DIR --ranks N [--deadline S] [--speak]
+    python -m partir_emu.mpi.procs.sentinel --dir DIR --ranks N [--deadline S] [--speak]
         [--proxy PID --proxy-start T [--launcher PID] [--hwloc FILE]...]
 
 ``DIR`` holds the progress records of the host's ``N`` ranks, each ``flock``-ed by its rank
@@ -14,7 +14,7 @@ while it lives (:class:`~partir_emu.mpi.deaths.DeathWatch` learns each exit). On
 ``N`` have exited it removes the segments the ranks reported and ``DIR``, and with
 ``--speak`` (the host of rank 0) prints at most one line to the stderr it shares with the
 ranks (mpiexec forwards it, and waits for it to close before it exits). The ``--proxy`` options are
-the :class:`~partir_emu.mpi.supervise.ProxyLineage` the starting rank noted (the ranks' parent,
+the :class:`~partir_emu.mpi.procs.supervise.ProxyLineage` the starting rank noted (the ranks' parent,
 hydra's proxy, and its parent, mpiexec: this process may start seconds later, when they may be gone
 already); with them it also removes the proxy's ``/tmp/hydra_hwloc_xmlfile_*`` once the proxy has
 ended without doing so (killed with mpiexec):
@@ -48,7 +48,8 @@ from pathlib import Path
 
 from partir_emu.mpi.deaths import TIE_S, DeathWatch
 from partir_emu.mpi.failure_report import silent_death_lines
-from partir_emu.mpi.supervise import ProxyLineage, holds_file, is_alive, remove_hwloc, remove_segments
+from partir_emu.mpi.procs.supervise import ProxyLineage, remove_hwloc, remove_segments
+from partir_emu.mpi.procs.table import holds_file, is_alive
 from partir_emu.runtime.progress import progress_path, read_records
 
 LAUNCHER_SCAN_S = 0.25     # how often the sentinel checks that mpiexec is still there
@@ -93,7 +94,7 @@ def verdict(silent: list[tuple[float, dict]], records: list[dict], removed: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m partir_emu.mpi.sentinel", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m partir_emu.mpi.procs.sentinel", description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="the host's progress directory (removed at the end)")
     ap.add_argument("--ranks", type=int, required=True, help="ranks on this host")
     ap.add_argument("--deadline", type=float, default=math.inf, help="give up after this many seconds")

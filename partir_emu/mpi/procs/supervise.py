@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from partir_emu.errors import EmulationError
+from partir_emu.mpi.procs.table import cmdline_has, descendants, parent_of, proc_table, start_time
 
 SHM_PREFIX = "/dev/shm/mpich_shm"
 HWLOC_PREFIX = "/tmp/hydra_hwloc_xmlfile_"
@@ -55,81 +56,6 @@ def is_hydra(mpiexec: Path) -> bool:
     except OSError:
         return False
     return "hydra" in real.name or (real.parent / "mpiexec.hydra").exists()
-
-
-# -- the process tree ----------------------------------------------------------------------------
-def _proc_table() -> dict[int, int]:
-    """pid → ppid of every process (from /proc)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            pp = parent_of(int(d))
-            if pp is not None:
-                out[int(d)] = pp
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren, ...)."""
-    kids: dict[int, list[int]] = {}
-    for p, pp in _proc_table().items():
-        kids.setdefault(pp, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` (None: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read()
-        return int(st[st.rindex(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot): with its pid, an identity that
-    survives pid reuse. None for a process that is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return None if fields[0] == "Z" else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def is_alive(pid: int) -> bool:
-    """``pid`` runs (a zombie has exited: it only waits for its parent to reap it)."""
-    return _start_time(pid) is not None
-
-
-def holds_file(pid: int, path: str | os.PathLike) -> bool:
-    """Does process ``pid`` have ``path`` open?"""
-    want = os.path.realpath(path)
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _cmdline_has(pid: int, marker: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return marker.encode() in f.read()
-    except OSError:
-        return False
 
 
 def _signal(pids: Sequence[int], sig: int) -> None:
@@ -165,7 +91,7 @@ def _terminate(ident: dict[int, int], pgid: int, grace_s: float, done: Callable[
     left = list(ident)
     while (left or not done()) and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = [p for p in left if _start_time(p) == ident[p]]
+        left = [p for p in left if start_time(p) == ident[p]]
     _signal(left, signal.SIGKILL)
     if not done():
         _killpg(pgid, signal.SIGKILL)
@@ -179,9 +105,9 @@ def remove_hwloc(paths: Iterable[str], holder: int | None = None, started: int |
     ``wait_s`` for that: a live proxy removes its own file when it ends. The removed ones."""
     if holder is not None:
         deadline = time.monotonic() + wait_s
-        while _start_time(holder) == started and time.monotonic() < deadline:
+        while start_time(holder) == started and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _start_time(holder) == started:
+        if start_time(holder) == started:
             return []
     removed = []
     for path in sorted(paths):
@@ -210,7 +136,7 @@ class ProxyLineage:
     def of_parent(cls) -> ProxyLineage:
         proxy = os.getppid()
         launcher = parent_of(proxy)
-        return cls(proxy, _start_time(proxy), launcher if launcher and launcher > 1 else None,
+        return cls(proxy, start_time(proxy), launcher if launcher and launcher > 1 else None,
                    tuple(sorted(hwloc_files([proxy]))))
 
     def lost(self) -> bool:
@@ -218,7 +144,7 @@ class ProxyLineage:
         lost its parent. Nothing will finish the job then. (No launcher noted: never.)"""
         if self.launcher is None:
             return False
-        return _start_time(self.proxy) != self.proxy_start or parent_of(self.proxy) != self.launcher
+        return start_time(self.proxy) != self.proxy_start or parent_of(self.proxy) != self.launcher
 
     def argv(self) -> list[str]:
         out = ["--proxy", str(self.proxy), "--proxy-start", str(self.proxy_start or 0)]
@@ -254,9 +180,9 @@ def stop_process_tree(proc: subprocess.Popen, marker: str, extra_pids: Sequence[
     each rank in a session of its own, so the group alone misses them; ``extra_pids`` whose
     command line holds ``marker`` are ranks known from their progress records), then SIGKILL
     whatever is left ``grace_s`` later."""
-    ident = {p: t for p in descendants(proc.pid) if (t := _start_time(p)) is not None}
-    ident.update({p: t for p in extra_pids if p not in ident and _cmdline_has(p, marker)
-                  and (t := _start_time(p)) is not None})
+    ident = {p: t for p in descendants(proc.pid) if (t := start_time(p)) is not None}
+    ident.update({p: t for p in extra_pids if p not in ident and cmdline_has(p, marker)
+                  and (t := start_time(p)) is not None})
     _terminate(ident, proc.pid, grace_s, lambda: proc.poll() is not None)
     _wait(proc, grace_s)
 
@@ -266,16 +192,16 @@ def stop_left_over(pgid: int, marker: str, grace_s: float = 3.0) -> None:
     mpiexec's group ``pgid`` and every process whose command line holds ``marker`` (the ranks, in
     sessions of their own), SIGTERM then SIGKILL ``grace_s`` later."""
     ident = {}
-    for p in _proc_table():
+    for p in proc_table():
         if p == os.getpid():
             continue
         try:
             in_group = os.getpgid(p) == pgid
         except OSError:
             continue
-        if (in_group or _cmdline_has(p, marker)) and (t := _start_time(p)) is not None:
+        if (in_group or cmdline_has(p, marker)) and (t := start_time(p)) is not None:
             ident[p] = t
-    _terminate(ident, pgid, grace_s, lambda: not any(_start_time(p) == t for p, t in ident.items()))
+    _terminate(ident, pgid, grace_s, lambda: not any(start_time(p) == t for p, t in ident.items()))
 
 
 class Supervised:

@@ -5,7 +5,7 @@ One that is SIGKILLed runs no code, and mpiexec, the ranks, their ``/dev/shm`` s
 run's temp dir used to stay until mpiexec's own timeout (the temp dir for good). So each launch
 starts this watcher::
 
-    python -m partir_emu.mpi.reaper          # one JSON line on stdin, then waits on stdin
+    python -m partir_emu.mpi.procs.reaper          # one JSON line on stdin, then waits on stdin
 
 in a session of its own (a terminal's Ctrl-C to the launcher's group does not reach it). It
 reads its orders (``pgid``: mpiexec's process group; ``marker``: a string in every rank's
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from partir_emu.mpi.supervise import cleanup_shm, stop_left_over
+from partir_emu.mpi.procs.supervise import cleanup_shm, stop_left_over
 from partir_emu.runtime.progress import read_records
 
 DONE = b"done\n"
@@ -40,7 +40,7 @@ class Reaper:
 
     def __init__(self, orders: Mapping[str, object], env: Mapping[str, str]) -> None:
         self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "partir_emu.mpi.reaper"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            [sys.executable, "-m", "partir_emu.mpi.procs.reaper"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, env=dict(env), start_new_session=True)
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(dict(orders)).encode() + b"\n")
