@@ -8,7 +8,9 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
+import tomllib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -17,6 +19,7 @@ from partir_emu.app.experiment import Experiment  # noqa: E402
 from partir_emu.app.programs import ProgramCache  # noqa: E402
 from partir_emu.core.mesh import Mesh  # noqa: E402
 from partir_emu.hwmodels import load_spec, simulate  # noqa: E402
+from partir_emu.hwmodels.compute.attention_kernels import KERNEL_DIR  # noqa: E402
 from partir_emu.hwmodels.compute.kernel_times import group_times  # noqa: E402
 from partir_emu.hwmodels.compute.memory import peak_memory  # noqa: E402
 from partir_emu.hwmodels.compute.program import analyze  # noqa: E402
@@ -78,13 +81,41 @@ def test_causal_skip_scales_the_flash_kernels_by_the_block_share():
     # compute-bound pricing (no HBM or launch time): the flash groups' time is their FLOPs alone
     bound = dataclasses.replace(h100, hbm_bw_bytes_per_s=1e30,
                                 compiler=dataclasses.replace(h100.compiler, kernel_launch_s=0.0))
-    fsdp = load_stack("pytorch-fsdp")
+    # the block-skipping rule alone: pytorch-fsdp without its measured kernel
+    fsdp = dataclasses.replace(load_stack("pytorch-fsdp"), attention_kernel="")
     t_xla = group_times(plan, bound)
     t_fsdp = group_times(plan, bound.with_stack(fsdp))
     share = fsdp.causal_share(S)
     assert share == pytest.approx(3 / 4)                                        # n = 2 blocks of 128
     assert t_fsdp[flash] == pytest.approx(share * t_xla[flash], rel=1e-12)
     assert (t_fsdp[~flash] == t_xla[~flash]).all()
+
+
+def test_a_measured_kernel_prices_the_flash_groups_from_its_curve():
+    """pytorch-fsdp runs FlashAttention-2: on h100 each flash group takes its dots' FLOPs, halved for
+    the causal mask (the benchmark's convention), over the measured rate; head dim 64 = d_model / heads,
+    S = 256 below the curve's first point (512: 141 TFLOP/s, held). Other groups are unchanged; on a
+    chip the kernel was not measured on (h200) the groups are priced as their GEMMs."""
+    prog = program(2).program
+    h100 = load_spec("h100")
+    plan = analyze(prog).fusion.plan(h100.compiler)
+    flash = plan.causal_seq > 0
+    assert set(plan.flash_head_dim[flash].tolist()) == {H // HEADS}
+    kernel_file = tomllib.loads((KERNEL_DIR / "flash-attention-2.toml").read_text())
+    curve = next(c for c in kernel_file["curve"] if (c["chip"], c["head_dim"], c["causal"]) == ("h100", 64, True))
+    assert curve["seq"][0] == 512 > S
+    rate = curve["tflops"][0] * 1e12
+    fsdp = load_stack("pytorch-fsdp")
+    t = group_times(plan, h100.with_stack(fsdp))
+    flops = np.bincount(plan.dot_group, weights=plan.dot_flops, minlength=plan.num_groups)
+    launch = h100.compiler.kernel_launch_s
+    assert t[flash] == pytest.approx(flops[flash] * 0.5 / rate + launch, rel=1e-12)
+    no_kernel = group_times(plan, h100.with_stack(dataclasses.replace(fsdp, attention_kernel="")))
+    assert (t[~flash] == no_kernel[~flash]).all()
+    h200 = load_spec("h200")
+    plan200 = analyze(prog).fusion.plan(h200.compiler)
+    assert (group_times(plan200, h200.with_stack(fsdp))
+            == group_times(plan200, h200.with_stack(dataclasses.replace(fsdp, attention_kernel="")))).all()
 
 
 def test_the_stack_changes_a_flash_step_and_not_a_naive_one():

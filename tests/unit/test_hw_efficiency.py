@@ -3,6 +3,7 @@ tables that hold them ([efficiency], [compiler])."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import tomllib
 
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels import load_spec
-from partir_emu.hwmodels.compute.efficiency import EfficiencySpec, hbm_fraction, matmul_efficiency
+from partir_emu.hwmodels.compute.efficiency import EfficiencySpec, hbm_fraction, matmul_efficiency, parse_efficiency
 from partir_emu.hwmodels.machine.specs import DATA_DIR, spec_from_dict
 
 PACKAGED = ["a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
@@ -41,13 +42,45 @@ def test_tile_padding_costs_the_padded_work(spec):
         eff(spec, 1, 4096, 2 * tn, 4096) * (tn + 1) / (2 * tn), rel=1e-12)
 
 
+def _eff_of(e, b, m, n, k) -> float:
+    return float(matmul_efficiency(e, np.array([b]), np.array([m]), np.array([n]), np.array([k]))[0])
+
+
 def test_wave_quantisation_on_gpu_and_none_on_tpu():
-    units = load_spec("a100").efficiency.matmul_wave_units
-    assert units == 108
-    # 108 output tiles fill one wave; 109 need a second wave that is almost empty
-    full = eff("a100", 108, 128, 128, 4096)
-    assert eff("a100", 109, 128, 128, 4096) == pytest.approx(full * 109 / 216, rel=1e-12)
+    a100 = load_spec("a100").efficiency
+    assert a100.matmul_wave_units == 108
+    # one output tile per SM (data_parallel): 108 tiles fill one wave; 109 need a second, almost empty one
+    dp = dataclasses.replace(a100, matmul_schedule="data_parallel")
+    full = _eff_of(dp, 108, 128, 128, 4096)
+    assert _eff_of(dp, 109, 128, 128, 4096) == pytest.approx(full * 109 / 216, rel=1e-12)
     assert eff("tpu-v4", 109, 128, 128, 4096) == pytest.approx(eff("tpu-v4", 108, 128, 128, 4096), rel=1e-12)
+
+
+def test_stream_k_spreads_a_long_k_over_every_unit():
+    """stream-K quantises the tiles·⌈K/tk⌉ main-loop iterations over the SMs, and each SM pays the
+    pipeline fill once on its share of K (closed form on the A100's 128×128×32 tile)."""
+    a100 = load_spec("a100").efficiency
+    assert a100.matmul_schedule == "stream_k" and a100.matmul_tile == (128, 128, 32)
+    f, fill = a100.matmul_peak_fraction, a100.matmul_fill_elems
+    # 109 tiles × 128 K-iterations = 13,952 over 108 SMs: 130 rounds, the last nearly full
+    iters = 109 * 128
+    wave = iters / (math.ceil(iters / 108) * 108)
+    assert eff("a100", 109, 128, 128, 4096) == pytest.approx(f * wave * 4096 / (4096 + fill), rel=1e-12)
+    # 8 tiles and K = 4096: each SM runs 128·8/108 ≈ 9.5 iterations of K = 32, its fill on 303 elements
+    share = 8 * 128 / 108 * 32
+    expect = f * (8 * 128) / (math.ceil(8 * 128 / 108) * 108) * share / (share + fill)
+    assert eff("a100", 1, 256, 512, 4096) == pytest.approx(expect, rel=1e-12)
+    # data_parallel would run those 8 tiles on 8 of the 108 SMs
+    dp = dataclasses.replace(a100, matmul_schedule="data_parallel")
+    assert _eff_of(dp, 1, 256, 512, 4096) < 0.1 < eff("a100", 1, 256, 512, 4096)
+
+
+def test_stream_k_needs_k_fill_and_units():
+    raw = {"matmul_peak_fraction": 0.9, "matmul_tile": [128, 128, 64], "matmul_fill_dim": "m", "matmul_fill_elems": 96,
+           "matmul_schedule": "stream_k", "vector_fraction": 0.9, "hbm_curve_mb": [0], "hbm_curve_fraction": [1.0]}
+    raw.update({f"{k}_source": "test" for k in list(raw)})
+    with pytest.raises(SpecError, match="stream_k.*matmul_fill_dim = 'k' and matmul_wave_units"):
+        parse_efficiency(raw, "spec.toml")
 
 
 def test_small_streamed_dimension_overhead():

@@ -115,9 +115,9 @@ def explain(r: FidelityResult) -> str:
                   f"the {c.stack} stack's allocator and reserved memory) of {sim.hbm_bytes / gib:.2f} GiB "
                   f"-> {'fits' if sim.fits else 'DOES NOT FIT (the run did run)'}",
               "  " + "  ".join(f"{k} {v / gib:.2f}" for k, v in sim.memory.items() if v),
-              "", _stack_line(c.stack),
+              "", _stack_line(c.stack, c.hardware),
               "not in the model yet: per-layer CPU and launch overheads of eager stacks, the precision of "
-              "gradient reductions, GEMM efficiency from measured sweeps (issue 23)"]
+              "gradient reductions, NCCL kernels slowing the compute they overlap (issue 23)"]
     return "\n".join(lines)
 
 
@@ -237,12 +237,16 @@ class FidelityReport:
         fig.savefig(path, dpi=120)
 
 
-def _stack_line(name: str) -> str:
+def _stack_line(name: str, hardware: str) -> str:
     """What the case's stack profile changes in the prediction (``explain``)."""
     st = load_stack(name)
-    return (f"stack {st.name}: causal flash blocks skipped: {'yes' if st.attention_causal_skip else 'no'}; saved for "
-            f"the backward: {st.saved_activations}; memory beside the tensors: {st.reserved_bytes / 1e9:g} GB "
-            f"reserved + {100 * st.allocator_overhead:g}% of the peak for the allocator")
+    k = st.kernel
+    kernel = ("priced as its GEMMs" if k is None else
+              f"{k.name}, measured on {hardware}" if hardware in k.chips() else
+              f"{k.name}, not measured on {hardware} (measured on {', '.join(k.chips())}): priced as its GEMMs")
+    return (f"stack {st.name}: causal flash blocks skipped: {'yes' if st.attention_causal_skip else 'no'}; attention "
+            f"kernel: {kernel}; saved for the backward: {st.saved_activations}; memory beside the tensors: "
+            f"{st.reserved_bytes / 1e9:g} GB reserved + {100 * st.allocator_overhead:g}% of the peak for the allocator")
 
 
 def _pct(x: float | None) -> str:

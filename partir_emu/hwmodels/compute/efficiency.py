@@ -20,7 +20,11 @@
   - ``pad = M/⌈M⌉ · N/⌈N⌉ · K/⌈K⌉``, each dimension rounded up to ``matmul_tile = [tm, tn, tk]``
     (the MXU's 128×128 on TPU; a CTA tile on GPU): padded work is done and thrown away;
   - ``wave = tiles / (⌈tiles / units⌉ · units)`` with ``tiles = batch·⌈M/tm⌉·⌈N/tn⌉`` and
-    ``units = matmul_wave_units`` (the SM count on GPU: the last wave runs partly empty; absent on TPU);
+    ``units = matmul_wave_units`` (the SM count on GPU: the last wave runs partly empty; absent on TPU).
+    With ``matmul_schedule = "stream_k"`` the work quantised over the units is the ``tiles·⌈K/tk⌉``
+    main-loop iterations instead (stream-K / split-K: a problem of few output tiles and a long K is
+    spread over every SM, Osama et al., arXiv 2301.03598), and the pipeline fill below is paid per
+    SM's share of K (at most the whole padded K) rather than per tile;
   - ``fill = S / (S + matmul_fill_elems)`` where ``S`` is the dimension named by ``matmul_fill_dim``,
     padded to its tile: the per-pass pipeline fill that a short streamed dimension does not amortise
     (GPU: K, the main loop's prologue/epilogue; TPU: M, the rows streamed through the
@@ -47,6 +51,7 @@ import numpy as np
 from partir_emu.errors import SpecError
 
 EPILOGUES = ("none", "bias_activation", "elementwise")
+SCHEDULES = ("data_parallel", "stream_k")
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class EfficiencySpec:
     matmul_wave_units: int = 0                   # 0: no wave quantisation
     matmul_fill_dim: str = "k"
     matmul_fill_elems: float = 0.0
+    matmul_schedule: str = "data_parallel"       # or "stream_k"
     vector_fraction: float = 1.0
     hbm_curve_mb: tuple[float, ...] = (0.0,)
     hbm_curve_fraction: tuple[float, ...] = (1.0,)
@@ -83,7 +89,7 @@ _COMPILER = {"loop_fusion": ("bool", True), "matmul_operand_fusion": ("bool", Tr
              "matmul_epilogue": (EPILOGUES, True), "kernel_launch_s": ("float", False)}
 _EFFICIENCY = {"matmul_peak_fraction": ("fraction", True), "matmul_tile": ("ints3", True),
                "matmul_wave_units": ("int", False), "matmul_fill_dim": (("m", "k"), True),
-               "matmul_fill_elems": ("float", True), "vector_fraction": ("fraction", True),
+               "matmul_fill_elems": ("float", True), "matmul_schedule": (SCHEDULES, False), "vector_fraction": ("fraction", True),
                "hbm_curve_mb": ("floats", True), "hbm_curve_fraction": ("floats", True)}
 
 
@@ -106,6 +112,10 @@ def parse_efficiency(sub: Any, where: str) -> EfficiencySpec:
     if any(not 0 < f <= 1 for f in frac) or list(frac) != sorted(frac):
         raise SpecError(f"{where}: field efficiency.hbm_curve_fraction must be non-decreasing fractions in (0, 1], "
                         f"got {list(frac)}")
+    if vals.get("matmul_schedule") == "stream_k" and (vals["matmul_fill_dim"] != "k" or not vals.get("matmul_wave_units")):
+        raise SpecError(f"{where}: field efficiency.matmul_schedule = 'stream_k' splits K over the units: it needs "
+                        f"matmul_fill_dim = 'k' and matmul_wave_units; got {vals['matmul_fill_dim']!r} and "
+                        f"{vals.get('matmul_wave_units')!r}")
     return EfficiencySpec(**vals)
 
 
@@ -179,16 +189,22 @@ def matmul_efficiency(eff: EfficiencySpec, batch: np.ndarray, m: np.ndarray, n: 
     tiles_m, tiles_n, tiles_k = np.ceil(m / tm), np.ceil(n / tn), np.ceil(k / tk)
     with np.errstate(divide="ignore", invalid="ignore"):
         pad = m / (tiles_m * tm) * (n / (tiles_n * tn)) * (k / (tiles_k * tk))
-        if eff.matmul_wave_units:
-            u = eff.matmul_wave_units
-            tiles = batch * tiles_m * tiles_n
-            wave = tiles / (np.ceil(tiles / u) * u)
-        else:
-            wave = 1.0
         # a pass streams the *padded* dimension: its time is padded + fill, its useful share s/(padded +
         # fill) = pad_s · padded/(padded + fill). Filling on the unpadded s would count the padding twice
         # (M = 1 on an 8-row sublane tile: 8·129 cycles a pass instead of 8 + 128).
         padded = tiles_m * tm if eff.matmul_fill_dim == "m" else tiles_k * tk
+        u = eff.matmul_wave_units
+        if u and eff.matmul_schedule == "stream_k":
+            # the units share tiles·⌈K/tk⌉ main-loop iterations; each runs one stretch of K per tile it
+            # touches, so the fill is paid on its share of K (never more than the whole padded K)
+            iters = batch * tiles_m * tiles_n * tiles_k
+            wave = iters / (np.ceil(iters / u) * u)
+            padded = np.minimum(np.maximum(iters / u, 1.0) * tk, padded)
+        elif u:
+            tiles = batch * tiles_m * tiles_n
+            wave = tiles / (np.ceil(tiles / u) * u)
+        else:
+            wave = 1.0
         fill = padded / (padded + eff.matmul_fill_elems)
         e = eff.matmul_peak_fraction * pad * wave * fill
     return np.where(np.isfinite(e) & (e > 0), e, 1.0)       # empty dots: no time anyway

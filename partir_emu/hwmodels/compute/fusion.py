@@ -91,6 +91,7 @@ class FusionPlan:
     dot_f32: np.ndarray        # per dot: priced at the f32 matrix rate (else the 16-bit one)
     dot_dims: np.ndarray       # per dot: (batch, M, N, K), shape (dots, 4)
     causal_seq: np.ndarray     # per group: the score length s of a hand-fused flash-attention kernel, else 0
+    flash_head_dim: np.ndarray  # per group: the head width d of that kernel's dots (s×d operands), else 0
 
     @property
     def num_groups(self) -> int:
@@ -371,17 +372,27 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
     work = (gbytes > 0) | (np.bincount(ga, weights=fl, minlength=G) > 0)
     hand = len({g for g, i in zip(ga.tolist(), idx.tolist()) if tags[i]})
     causal = np.zeros(G, dtype=np.int64)
+    head = np.zeros(G, dtype=np.int64)
     for i, g, row in zip(dots, ga[is_dot].tolist(), dims.tolist()):
         if tags[i].split("/", 1)[0] == FLASH_KERNEL:
-            causal[g] = max(causal[g], int(_score_len(row[1], row[2], row[3])))
+            s = int(_score_len(row[1], row[2], row[3]))
+            causal[g] = max(causal[g], s)
+            head[g] = max(head[g], int(_head_width(row[1], row[2], row[3], s)))
     return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
-                      ga[is_dot], dot_flops, f32, dims, causal)
+                      ga[is_dot], dot_flops, f32, dims, causal, head)
 
 
 def _score_len(m: float, n: float, k: float) -> float:
     """The score length of a flash-attention dot: the dimension it has twice (``q·kᵀ``: M = N = s;
     ``p·v`` and the backward's: one of M, N and K is the head width, the other two are s)."""
     return m if m in (n, k) else n if n == k else max(m, n, k)
+
+
+def _head_width(m: float, n: float, k: float, s: int) -> float:
+    """The head width of a flash-attention dot with score length ``s``: its dimension other than s
+    (``q·kᵀ``: K; ``p·v``: N); s itself when every dimension is s."""
+    others = [d for d in (m, n, k) if d != s]
+    return min(others) if others else s
 
 
 def _dot_dims(e) -> tuple[int, int, int, int]:

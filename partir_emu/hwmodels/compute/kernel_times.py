@@ -5,7 +5,9 @@ HBM bw) + launch overhead``; matmul time at the dot dtype's peak times :func:`.e
 vector time at ``vector_flops_per_s · vector_fraction``, HBM bandwidth times
 :func:`.efficiency.hbm_fraction` of the group's bytes. Matmul and vector work are summed (conservative: an
 epilogue is small next to its dot). A hand-fused flash-attention kernel's FLOPs are scaled by the share
-of its score blocks the stack's kernel computes (:meth:`.stack.StackSpec.causal_share`). The group's time lands on its **last** equation (zero on the others):
+of its score blocks the stack's kernel computes (:meth:`.stack.StackSpec.causal_share`), or, when the
+stack names a measured kernel (:mod:`.attention_kernels`) with a curve for this chip, the whole group
+is priced from that measurement instead. The group's time lands on its **last** equation (zero on the others):
 the overlap schedule and the DES see one op at the group's end.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
     else:
         mm = np.zeros(G)
     vec = plan.vec_flops / (spec.vector_flops_per_s * eff.vector_fraction)
+    measured = _measured_flash(plan, spec)
     if spec.stack.attention_causal_skip and plan.causal_seq.any():
         # the stack's causal flash kernel skips the blocks above the diagonal (.stack.StackSpec.causal_share)
         share = np.ones(G)
@@ -39,10 +42,28 @@ def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
         vec = vec * share
     mem = plan.bytes / (spec.hbm_bw_bytes_per_s * hbm_fraction(eff, plan.bytes))
     t = np.maximum(mm + vec, mem)
+    for g, seconds in measured.items():
+        t[g] = seconds              # the kernel's measured time covers its softmax, its HBM traffic, all of it
     launch = spec.compiler.kernel_launch_s
     if launch:
         t = t + launch * plan.work
     return t
+
+def _measured_flash(plan: FusionPlan, spec: HardwareSpec) -> dict[int, float]:
+    """Seconds of each flash-attention group the stack's measured kernel prices on this chip: its
+    dots' FLOPs in the kernel's convention over the measured rate at its score length and head width
+    (.attention_kernels). Groups on a chip without a measured curve are left to the GEMM model."""
+    kernel = spec.stack.kernel
+    if kernel is None or not plan.causal_seq.any():
+        return {}
+    flops = np.bincount(plan.dot_group, weights=plan.dot_flops, minlength=plan.num_groups)
+    out = {}
+    for g in np.flatnonzero(plan.causal_seq).tolist():
+        rate = kernel.rate(spec.name, float(plan.causal_seq[g]), float(plan.flash_head_dim[g]), causal=True)
+        if rate is not None:
+            out[g] = float(flops[g]) * kernel.causal_credit / rate
+    return out
+
 
 def eqn_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
     """Per equation: its group's time on the group's last equation, zero on the others (a fresh array)."""

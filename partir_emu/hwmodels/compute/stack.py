@@ -12,6 +12,7 @@ every field with a ``<field>_source``), shared by every run of that stack, never
     [kernels]
     attention_causal_skip = true      # a causal flash kernel skips the key blocks above the diagonal
     attention_block = 128             # ... in blocks of this many keys (and queries)
+    attention_kernel = "flash-attention-2"   # measured fwd+bwd rates (data/kernels/), else GEMM-priced
 
     [memory]
     saved_activations = "kernel_inputs"   # or "residuals": what is kept for the backward (.residuals)
@@ -25,6 +26,10 @@ What each field does to a prediction:
   share of ``b × b`` blocks on or below the diagonal of an ``s × s`` score matrix,
   ``(n + 1) / (2n)`` with ``n = ⌈s / b⌉`` (FlashAttention-2, arXiv 2307.08691 §3.1: causal blocks
   above the diagonal are skipped); the bytes it moves are unchanged;
+- ``attention_kernel``: the kernel's measured forward+backward rate on this chip
+  (:mod:`.attention_kernels`) prices the whole ``flash_attention`` group instead: its FLOPs in the
+  benchmark's convention (causal: half the full score work) over the rate at its score length and
+  head dimension; on a chip the kernel was not measured on, the group is priced as above;
 - ``saved_activations``: the lifetimes :func:`.residuals.saved_liveness` gives the memory profile;
 - ``reserved_bytes`` and ``allocator_overhead``: the memory the device needs beyond the profile's
   peak: ``needed = peak · (1 + allocator_overhead) + reserved_bytes``; a run fits if
@@ -36,6 +41,7 @@ blocks (the scenario's flash kernel computes every block, as MaxText's Pallas ke
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -43,13 +49,15 @@ from pathlib import Path
 from typing import Any
 
 from partir_emu.errors import SpecError
+from partir_emu.hwmodels.compute.attention_kernels import AttentionKernel, list_kernels, load_kernel
 from partir_emu.hwmodels.compute.efficiency import check_fields
 from partir_emu.limits import load_toml
 
 POLICIES = ("residuals", "kernel_inputs")     # what a stack keeps for the backward (.residuals)
 STACK_DIR = Path(__file__).parents[1] / "data" / "stacks"
 
-_KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", False)}
+_KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", False),
+            "attention_kernel": (tuple(list_kernels()), False)}
 _MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
            "allocator_overhead": ("float", False)}
 
@@ -62,6 +70,7 @@ class StackSpec:
     description: str = "XLA running the program as lowered: every block computed, jax's residuals kept"
     attention_causal_skip: bool = False
     attention_block: int = 128
+    attention_kernel: str = ""          # a measured kernel (.attention_kernels); "": priced as its GEMMs
     saved_activations: str = "residuals"
     reserved_bytes: float = 0.0
     allocator_overhead: float = 0.0
@@ -75,6 +84,11 @@ class StackSpec:
         n = math.ceil(seq / self.attention_block)
         return (n + 1) / (2 * n)
 
+    @functools.cached_property
+    def kernel(self) -> AttentionKernel | None:
+        """The measured attention kernel this stack runs (None: priced as its GEMMs)."""
+        return load_kernel(self.attention_kernel) if self.attention_kernel else None
+
     def needed_bytes(self, peak_bytes: float) -> float:
         """Device memory a run with this profile peak needs (allocator and reserved memory included)."""
         return peak_bytes * (1.0 + self.allocator_overhead) + self.reserved_bytes
@@ -82,6 +96,7 @@ class StackSpec:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description,
                 "attention_causal_skip": self.attention_causal_skip, "attention_block": self.attention_block,
+                "attention_kernel": self.attention_kernel,
                 "saved_activations": self.saved_activations, "reserved_bytes": self.reserved_bytes,
                 "allocator_overhead": self.allocator_overhead, "path": self.path}
 
