@@ -71,7 +71,13 @@ def attention(x, p: dict, cfg: Config):
     q = dense(x, p, "w_q", "b_q").reshape(b, s, heads, dh)
     k = dense(x, p, "w_k").reshape(b, s, kv, dh)             # no key bias (see scenarios.transformer.scenario)
     v = dense(x, p, "w_v", "b_v").reshape(b, s, kv, dh)
-    out = ATTENTION[cfg["attention"]](q, k, v).reshape(b, s, heads * dh)
+    core = ATTENTION[cfg["attention"]]
+    if str(cfg.get("remat", 0)) == "selective":
+        # Korthikanti et al. 2022 (arXiv 2205.05198 sec. 4.2) selective recomputation: only the attention
+        # core (q·kᵀ, softmax, p·v) is recomputed in the backward pass; the projections' outputs are kept
+        import jax
+        core = jax.checkpoint(core)
+    out = core(q, k, v).reshape(b, s, heads * dh)
     return dense(out, p, "w_o", "b_o")
 
 
@@ -104,8 +110,15 @@ def make_loss(cfg: Config):
 
     dtype = compute_dtype(cfg)
     block = make_block(cfg)
-    if cfg.get("remat", 0):
+    remat = str(cfg.get("remat", 0))
+    if remat in ("1", "full"):
         block = jax.checkpoint(block)
+    elif remat == "minimal":
+        # MaxText remat_policy=minimal: keep the outputs of the dots without batch dimensions (the
+        # projections and the MLP), recompute the rest of the layer (its elementwise work and attention)
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    elif remat == "dots":
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)   # every dot's output kept
 
     def loss_fn(params, batch):
         emb = params["embed"]

@@ -34,7 +34,12 @@ kv_heads       int (heads)                 K key/value heads: 1 multi-query, < H
                                            must divide heads
 d_ff           int                         MLP width f
 layers, vocab  int                         L, V
-remat          0|1 (0)                     recompute each layer in the backward pass
+remat          0|1|full|selective|minimal|dots (0)
+                                           what the backward pass recomputes: 0 nothing; 1 = full
+                                           each layer (jax.checkpoint); selective only the attention
+                                           core (Korthikanti et al. 2022); minimal the layer but the
+                                           outputs of dots without batch dims (MaxText's
+                                           remat_policy=minimal); dots the layer but every dot output
 layers_as      unrolled|loop (unrolled)    loop: the layers are one ``lax.scan`` over
                                            ``params/layers/...`` (each leaf stacked on dim 0),
                                            as MaxText and PaLM-style code write it; the
@@ -121,13 +126,13 @@ from scenarios.transformer import model as transformer_model
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
               "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as")
 CHOICES: dict[str, tuple[str, ...]] = {
-    "layers_as": ("unrolled", "loop"),
+    "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots"),
     "precision": ("f32", "bf16"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
     "norm": ("layernorm", "rmsnorm"), "bias": ("mlp", "0", "1"), "attention": ("naive", "flash"),
 }
-FLAG_NAMES = ("remat", "tied")
+FLAG_NAMES = ("tied",)
 # the original model; head_dim and kv_heads are derived (complete_config)
-DEFAULTS: Config = dict(remat=0, precision="f32", mlp="gelu", block="serial", tied=0, norm="layernorm",
+DEFAULTS: Config = dict(remat="0", precision="f32", mlp="gelu", block="serial", tied=0, norm="layernorm",
                         bias="mlp", attention="naive", layers_as="unrolled")
 
 PRESETS: dict[str, Config] = {
@@ -136,9 +141,9 @@ PRESETS: dict[str, Config] = {
     # full sizes are trained as such models are: bf16 with float32 master weights, flash attention,
     # and each layer's activations recomputed in the backward pass (only the residual stream is kept)
     "t32": dict(DEFAULTS, batch=256, seq=2048, d_model=2560, heads=32, d_ff=10240, layers=32, vocab=50304,
-                remat=1, precision="bf16", attention="flash"),
+                remat="1", precision="bf16", attention="flash"),
     "t48": dict(DEFAULTS, batch=512, seq=2048, d_model=3072, heads=32, d_ff=12288, layers=48, vocab=50304,
-                remat=1, precision="bf16", attention="flash"),
+                remat="1", precision="bf16", attention="flash"),
 }
 
 

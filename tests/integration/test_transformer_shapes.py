@@ -95,7 +95,11 @@ def test_defaults_are_the_original_model():
             cfg["attention"]) == ("f32", "gelu", "serial", 0, "layernorm", "mlp", "naive")
     for preset in ("t32", "t48"):
         full = SC.config(preset)
-        assert (full["precision"], full["attention"], full["remat"]) == ("bf16", "flash", 1)
+        assert (full["precision"], full["attention"], full["remat"]) == ("bf16", "flash", "1")
+    # remat is a choice: 0/1 as before, or a recompute policy
+    assert [SC.config("tiny", f"remat={r}")["remat"] for r in (0, 1, "selective", "minimal")] == ["0", "1", "selective", "minimal"]
+    with pytest.raises(ScenarioError, match="remat"):
+        SC.config("tiny", "remat=some")
     # strings and ints both work; a switch or choice given as an int is normalised
     cfg = SC.config("tiny", "precision=bf16, mlp=swiglu, bias=1, tied=1, head_dim=8, kv_heads=2")
     assert (cfg["precision"], cfg["mlp"], cfg["bias"], cfg["tied"], cfg["head_dim"]) == ("bf16", "swiglu", "1", 1, 8)
