@@ -25,7 +25,7 @@ schedule (slowed by the others in flight, :mod:`partir_emu.hwmodels.network.conc
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +66,8 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     times = compute_times(pc, spec)
     if compute_scale != 1.0:
         times = times * compute_scale
-    costs = [model.cost(*key) for key in pc.comm_keys]
+    keys = wire_keys(pc.comm_keys, spec)
+    costs = [model.cost(*key) for key in keys]
     is_comm = pc.is_comm
     if costs:
         times[pc.comm_index] = np.array([c.time_s for c in costs])[pc.comm_inverse]
@@ -84,7 +85,7 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     sched = None
     if overlap:
         plan = entry.overlap_plan()
-        contention = Contention.of(model, pc.comm_keys) if comm_streams > 1 and len(pc.comm_keys) else None
+        contention = Contention.of(model, keys) if comm_streams > 1 and len(keys) else None
         sched = schedule(plan, times, prefetch_bytes, comm_streams, contention, pc.comm_inverse.tolist())
         step_s = sched.step_s
         if contention is not None:          # collectives in flight together last longer than priced alone
@@ -93,6 +94,15 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     else:
         step_s = compute_s + comm_s
     return Priced(entry, times, costs, compute_s, comm_s, float(step_s), sched, mem, bodies, walked)
+
+
+def wire_keys(keys: Sequence[tuple], spec: HardwareSpec) -> list[tuple]:
+    """``ProgramCosts.comm_keys`` as the stack moves them (:meth:`.compute.stack.StackSpec.wire`: fp32
+    gradient reductions of a 16-bit program); the keys themselves when the stack changes nothing."""
+    st = spec.stack
+    if st.gradient_reduce_dtype == "as_traced":
+        return list(keys)
+    return [(prim, axes, *st.wire(prim, axes, nbytes, dtype), perm) for prim, axes, nbytes, dtype, perm in keys]
 
 
 def _with_bodies(entry: ProgramAnalysis, bodies: Mapping[int, Priced], policy: str) -> MemoryProfile:
@@ -182,12 +192,12 @@ def _breakdowns(pc: ProgramCosts, times: np.ndarray, byts: np.ndarray, costs: li
     by_coll: dict[str, dict[str, float]] = {}
     by_axes: dict[str, dict[str, float]] = {}
     counts = np.bincount(pc.comm_inverse, minlength=len(costs)).tolist() if costs else []
-    for (prim, axes, nbytes, *_), c, cnt in zip(pc.comm_keys, costs, counts):
+    for (prim, axes, *_), c, cnt in zip(pc.comm_keys, costs, counts):
         for table, key in ((by_coll, prim), (by_axes, ",".join(axes))):
             d = table.setdefault(key, {"count": 0, "time_s": 0.0, "bytes": 0})
             d["count"] += cnt
             d["time_s"] += cnt * c.time_s
-            d["bytes"] += cnt * nbytes
+            d["bytes"] += cnt * c.nbytes          # as moved (a stack's fp32 gradient reductions: twice the traced)
     return by_kind, by_prim, by_coll, by_axes
 
 

@@ -251,7 +251,7 @@ def test_required_cases_meet_the_accuracy_targets(required_report):
 
 # -- the fitted per-chip constants are reproducible -----------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("chip", ["tpu-v4", "tpu-v5e"])
+@pytest.mark.parametrize("chip", ["tpu-v4", "tpu-v5e", "tpu-v5p"])
 def test_fitted_matmul_fraction_is_what_the_fit_gives(chip):
     """A spec whose matmul fraction says "fit" carries the value `partir-emu fidelity --fit` computes
     from the data file (so the constant is a documented fit to published runs, not a free knob)."""
@@ -307,6 +307,13 @@ def test_explain_breaks_a_prediction_down(tmp_path, capsys):
 # (arXiv 2104.04473 sec. 5.1); the scenario has no gradient accumulation yet (issue 24), so its one
 # step holds all 32 at once. The only case allowed not to fit, and only for that reason.
 NEEDS_MICROBATCHES = {"megatron-18.4b"}
+# MaxText shards the residual stream's embedding dimension over its tensor axis (logical axis rule
+# activation_embed -> tensor in MaxText's base.yml), so under TP each chip holds 1/TP of every saved
+# layer input; the scenario's `mp` tactic is Megatron's and keeps the residual stream whole on each
+# of the TP chips (that tactic, with sequence parallelism, is issue 24 item 3). Until then these
+# TP runs are predicted 4-16x too big, and they are the known misfits that come with that reason.
+NEEDS_EMBED_SHARDING = {"maxtext-128b-v5e", "maxtext-32b-v5p", "maxtext-64b-v5p", "maxtext-128b-v5p",
+                        "maxtext-256b-v5p"}
 
 
 @pytest.mark.slow
@@ -318,7 +325,9 @@ def test_every_published_run_is_predicted_to_fit(required_report):
     gib = 2 ** 30
     misfits = {r.case.case: f"{r.sim.needed_bytes / gib:.1f} of {r.sim.hbm_bytes / gib:.1f} GiB"
                for r in results if not r.sim.fits}
-    assert set(misfits) == NEEDS_MICROBATCHES, misfits
+    assert set(misfits) == NEEDS_MICROBATCHES | NEEDS_EMBED_SHARDING, misfits
+    tp = {c.case for c in load_cases() if dict(c.mesh).get("model", 1) > 1 and c.stack.startswith("maxtext")}
+    assert tp == NEEDS_EMBED_SHARDING        # every MaxText TP run, and no other case
 
 
 # -- out of sample by construction: --holdout and --fits ----------------------------------------------
@@ -364,8 +373,9 @@ def test_fits_lists_every_fitted_constant_with_its_cases(capsys):
     assert main(["fidelity", "--fits"]) == 0
     out = capsys.readouterr().out
     rows = {ln.split()[0]: ln for ln in out.splitlines() if "[efficiency]" in ln}
-    assert set(rows) == {"tpu-v4", "tpu-v5e"}                  # the GPUs' constants are sourced, not fitted
+    assert set(rows) == {"tpu-v4", "tpu-v5e", "tpu-v5p"}       # the GPUs' constants are sourced, not fitted
     assert "maxtext-22b-v4, maxtext-52b-v4" in rows["tpu-v4"]
+    assert "maxtext-32b-v5p" in rows["tpu-v5p"]
     for line in rows.values():
         spec, refit = (float(x) for x in line.split()[3:5])
         assert spec == pytest.approx(refit, abs=0.01), line    # the spec holds the value the data give

@@ -155,3 +155,25 @@ def test_the_des_prices_a_stack_as_the_analytical_model_does():
         assert d.step_s == pytest.approx(a.step_s, rel=1e-9), name
         steps[name] = a.step_s
     assert steps["pytorch-fsdp"] < steps["xla"]
+
+
+def test_fp32_gradient_reductions_in_both_models():
+    """A bf16 ZeRO-3 step reduce-scatters some gradients in bf16 (as traced); a stack that reduces
+    gradients in fp32 moves those at twice the bytes, in the analytical model and in the DES alike,
+    and leaves the parameter all-gathers alone."""
+    from partir_emu.hwmodels.des import simulate_des
+
+    spmd = program(2, mesh="batch=2", strategy="z3")
+    narrow = [e for e in spmd.program.eqns if e.prim == "reduce_scatter" and e.inputs[0].dtype == "bfloat16"]
+    assert narrow
+    h100 = load_spec("h100")
+    fsdp = load_stack("pytorch-fsdp")
+    as_traced = dataclasses.replace(fsdp, gradient_reduce_dtype="as_traced")
+    a32, a16 = (simulate(spmd, h100.with_stack(s), overlap=False) for s in (fsdp, as_traced))
+    rs32, rs16 = a32.by_collective["reduce_scatter"]["bytes"], a16.by_collective["reduce_scatter"]["bytes"]
+    extra = sum(int(np.prod(e.inputs[0].shape)) * 2 for e in narrow)           # the bf16 inputs' bytes, once more
+    assert rs32 - rs16 == extra
+    assert a32.by_collective["all_gather"] == a16.by_collective["all_gather"]
+    assert a32.comm_s > a16.comm_s
+    d32 = simulate_des(spmd, h100.with_stack(fsdp), overlap=False)
+    assert d32.step_s == pytest.approx(a32.step_s, rel=1e-9)

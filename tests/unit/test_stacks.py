@@ -19,7 +19,7 @@ def test_packaged_stacks_load_and_every_field_has_a_source():
         raw = tomllib.loads(path.read_text())
         st = load_stack(path.stem)
         assert st.name == path.stem == raw["name"]
-        for table in ("kernels", "memory"):
+        for table in ("kernels", "comm", "memory"):
             for key in raw.get(table, {}):
                 if not key.endswith("_source"):
                     assert len(raw[table][f"{key}_source"]) > 30, (path.name, key)
@@ -95,3 +95,15 @@ def _toml(d: dict) -> str:
         if isinstance(v, dict):
             lines += [f"[{k}]"] + [f"{kk} = {val(vv)}" for kk, vv in v.items()]
     return "\n".join(lines) + "\n"
+
+
+def test_gradient_reductions_run_in_fp32_only_over_the_data_axes():
+    fsdp, xla = load_stack("pytorch-fsdp"), XLA
+    assert fsdp.gradient_reduce_dtype == "float32" and xla.gradient_reduce_dtype == "as_traced"
+    assert fsdp.wire("reduce_scatter", ("batch",), 1000, "bfloat16") == (2000, "float32")
+    assert fsdp.wire("all_reduce", ("batch",), 1000, "float16") == (2000, "float32")
+    assert fsdp.wire("all_reduce", ("batch",), 1000, "float32") == (1000, "float32")        # already fp32
+    assert fsdp.wire("all_gather", ("batch",), 1000, "bfloat16") == (1000, "bfloat16")      # parameters
+    assert fsdp.wire("all_reduce", ("model",), 1000, "bfloat16") == (1000, "bfloat16")      # activations (TP)
+    assert fsdp.wire("all_reduce", ("batch", "model"), 1000, "bfloat16") == (1000, "bfloat16")
+    assert xla.wire("reduce_scatter", ("batch",), 1000, "bfloat16") == (1000, "bfloat16")

@@ -177,18 +177,20 @@ class FidelityReport:
         }
 
     def table(self) -> str:
-        head = (f"{'case':<17}{'hardware':<9}{'stack':<13}{'chips':>6}  {'metric':<16}{'measured':>9}{'predicted':>10}"
+        w = max([17, *(len(r.case.case) + 1 for r in self.results), *(len(c.case) + 1 for c, _ in self.failures)])
+        ws = max([13, *(len(r.case.stack) + 1 for r in self.results)])
+        head = (f"{'case':<{w}}{'hardware':<9}{'stack':<{ws}}{'chips':>6}  {'metric':<16}{'measured':>9}{'predicted':>10}"
                 f"{'error':>9}{'step meas':>11}{'step pred':>11}{'MFU pred':>10}{'MFU pub':>9}{'HFU pred':>10}"
                 f"{'HFU pub':>9}")
         lines = [head, "-" * len(head)]
         for r in self.results:
             c = r.case
-            lines.append(f"{c.case:<17}{c.hardware:<9}{c.stack:<13}{c.chips:>6}  {c.metric:<16}{c.measured:>9.4g}"
+            lines.append(f"{c.case:<{w}}{c.hardware:<9}{c.stack:<{ws}}{c.chips:>6}  {c.metric:<16}{c.measured:>9.4g}"
                          f"{r.predicted:>10.4g}{r.error_pct:>+8.1f}%{r.measured_step_s:>10.3f}s"
                          f"{r.predicted_step_s:>10.3f}s{_pct(r.sim.mfu):>10}{_pct(c.published_mfu):>9}"
                          f"{_pct(r.sim.hfu):>10}{_pct(c.published_hfu):>9}")
         for c, why in self.failures:
-            lines.append(f"{c.case:<17}{c.hardware:<9}{c.stack:<13}{c.chips:>6}  FAILED: {why}")
+            lines.append(f"{c.case:<{w}}{c.hardware:<9}{c.stack:<{ws}}{c.chips:>6}  FAILED: {why}")
         for g in sorted({r.case.group for r in self.results}):
             s = self.summary(g)
             lines.append(f"{g}: median |error| {s['median_abs_error_pct']:.1f}%, max {s['max_abs_error_pct']:.1f}% "

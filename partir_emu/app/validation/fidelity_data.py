@@ -64,6 +64,11 @@ def _maxtext_6n_attn(cfg: Mapping[str, Any], n_params: int) -> float:
     return _maxtext_6n(cfg, n_params) + 12.0 * cfg["heads"] * cfg["layers"] * head_dim(cfg) * s * s * cfg["batch"]
 
 
+def _maxtext_6n_causal(cfg: Mapping[str, Any], n_params: int) -> float:
+    s = cfg["seq"]
+    return _maxtext_6n(cfg, n_params) + 6.0 * cfg["heads"] * cfg["layers"] * head_dim(cfg) * s * s * cfg["batch"]
+
+
 @dataclass(frozen=True)
 class Convention:
     """How a source counts the FLOPs of a step; ``flops`` is None when it reports the step time."""
@@ -80,6 +85,8 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in (
     Convention("maxtext_6n", "F = 6·N·B·s per step (MaxText train.py, 2023-04)", "tflops_per_chip", _maxtext_6n),
     Convention("maxtext_6n_attn", "F = 6·N·B·s + 12·H·l·dh·s²·B per step (MaxText calculate_training_tflops, "
                "2023-06 on)", "tflops_per_chip", _maxtext_6n_attn),
+    Convention("maxtext_6n_causal", "F = 6·N·B·s + 6·H·l·dh·s²·B per step (MaxText calculate_training_tflops "
+               "from 2023-11-29, 64ee4e938: causal attention FLOPs halved)", "tflops_per_chip", _maxtext_6n_causal),
     Convention("iteration_time", "the source reports seconds per iteration", "step_s", None),
     Convention("tokens", "the source reports tokens per second over all chips: step_s = B·s / measured",
                "tokens_per_s", None),

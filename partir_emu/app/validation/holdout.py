@@ -95,12 +95,13 @@ class HoldoutReport:
         return [abs(r.error_pct) for r in self.rows if r.error_pct is not None]
 
     def table(self) -> str:
+        w = max([17, *(len(r.case.case) + 1 for r in self.rows)])
         lines = [f"--holdout {self.key}: each group predicted with constants fitted on the other groups only",
-                 f"{'case':<17}{'group':<36}{'fraction':>9}{'held-out error':>16}"]
+                 f"{'case':<{w}}{'group':<36}{'fraction':>9}{'held-out error':>16}"]
         for r in self.rows:
             frac = "-" if r.fraction is None else f"{r.fraction:.3f}"
             err = "no fit possible" if r.error_pct is None else f"{r.error_pct:+.1f}%"
-            lines.append(f"{r.case.case:<17}{r.group[:35]:<36}{frac:>9}{err:>16}")
+            lines.append(f"{r.case.case:<{w}}{r.group[:35]:<36}{frac:>9}{err:>16}")
         errs = self.errors()
         if errs:
             lines.append(f"held out by {self.key}: median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}% "

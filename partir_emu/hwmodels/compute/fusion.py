@@ -45,9 +45,9 @@ import numpy as np
 
 from partir_emu.core.ir import Program, Var
 from partir_emu.hwmodels.compute.costs import op_kind
+from partir_emu.hwmodels.compute.dot_shapes import dot_dims, head_width, score_len
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec
 from partir_emu.hwmodels.machine.specs import MATMUL_16BIT_DTYPES
-from partir_emu.primitives.conv import conv_gemm_dims
 from partir_emu.primitives.costs import buffer_bytes
 
 CHEAP, LOOP, REDUCE, DOT, OPAQUE = range(5)
@@ -366,7 +366,7 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
             best[g] = p
             rep[g] = i
     dots = idx[is_dot].tolist()
-    dims = np.array([_dot_dims(eqns[i]) for i in dots], dtype=np.float64).reshape(-1, 4)
+    dims = np.array([dot_dims(eqns[i]) for i in dots], dtype=np.float64).reshape(-1, 4)
     f32 = np.array([eqns[i].inputs[0].dtype not in MATMUL_16BIT_DTYPES for i in dots], dtype=bool)
     dot_flops = fl[is_dot]
     work = (gbytes > 0) | (np.bincount(ga, weights=fl, minlength=G) > 0)
@@ -375,36 +375,8 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
     head = np.zeros(G, dtype=np.int64)
     for i, g, row in zip(dots, ga[is_dot].tolist(), dims.tolist()):
         if tags[i].split("/", 1)[0] == FLASH_KERNEL:
-            s = int(_score_len(row[1], row[2], row[3]))
+            s = int(score_len(row[1], row[2], row[3]))
             causal[g] = max(causal[g], s)
-            head[g] = max(head[g], int(_head_width(row[1], row[2], row[3], s)))
+            head[g] = max(head[g], int(head_width(row[1], row[2], row[3], s)))
     return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
                       ga[is_dot], dot_flops, f32, dims, causal, head)
-
-
-def _score_len(m: float, n: float, k: float) -> float:
-    """The score length of a flash-attention dot: the dimension it has twice (``q·kᵀ``: M = N = s;
-    ``p·v`` and the backward's: one of M, N and K is the head width, the other two are s)."""
-    return m if m in (n, k) else n if n == k else max(m, n, k)
-
-
-def _head_width(m: float, n: float, k: float, s: int) -> float:
-    """The head width of a flash-attention dot with score length ``s``: its dimension other than s
-    (``q·kᵀ``: K; ``p·v``: N); s itself when every dimension is s."""
-    others = [d for d in (m, n, k) if d != s]
-    return min(others) if others else s
-
-
-def _dot_dims(e) -> tuple[int, int, int, int]:
-    if e.prim == "conv_general_dilated":   # the other matmul-kind primitive: its implicit GEMM
-        return conv_gemm_dims(e)
-    lhs, rhs = e.inputs[0], e.inputs[1]
-    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-    prod = np.prod
-    b = int(prod([lhs.shape[i] for i in lb]))
-    k = int(prod([lhs.shape[i] for i in lc]))
-    m = int(prod([s for i, s in enumerate(lhs.shape) if i not in lc and i not in lb]))
-    nn = int(prod([s for i, s in enumerate(rhs.shape) if i not in rc and i not in rb]))
-    return b, m, nn, k
-
-

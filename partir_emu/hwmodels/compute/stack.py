@@ -54,10 +54,17 @@ from partir_emu.hwmodels.compute.efficiency import check_fields
 from partir_emu.limits import load_toml
 
 POLICIES = ("residuals", "kernel_inputs")     # what a stack keeps for the backward (.residuals)
+REDUCE_DTYPES = ("as_traced", "float32")
+# the mesh axes the scenarios' strategies shard the batch over (bp, z2, z3 and their combinations):
+# a reduction over one of them that is not also over another axis sums gradients across replicas
+DATA_AXES = frozenset({"batch"})
+_REDUCTIONS = frozenset({"all_reduce", "reduce_scatter"})
+_NARROW = frozenset({"bfloat16", "float16"})
 STACK_DIR = Path(__file__).parents[1] / "data" / "stacks"
 
 _KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", False),
             "attention_kernel": (tuple(list_kernels()), False)}
+_COMM = {"gradient_reduce_dtype": (REDUCE_DTYPES, True)}
 _MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
            "allocator_overhead": ("float", False)}
 
@@ -72,6 +79,7 @@ class StackSpec:
     attention_block: int = 128
     attention_kernel: str = ""          # a measured kernel (.attention_kernels); "": priced as its GEMMs
     saved_activations: str = "residuals"
+    gradient_reduce_dtype: str = "as_traced"   # or "float32": 16-bit gradient reductions run in fp32
     reserved_bytes: float = 0.0
     allocator_overhead: float = 0.0
     path: str = ""
@@ -89,6 +97,15 @@ class StackSpec:
         """The measured attention kernel this stack runs (None: priced as its GEMMs)."""
         return load_kernel(self.attention_kernel) if self.attention_kernel else None
 
+    def wire(self, prim: str, axes: tuple[str, ...], nbytes: int, dtype: str) -> tuple[int, str]:
+        """The bytes and dtype a collective moves under this stack: a 16-bit reduction over the
+        data-parallel axes (:data:`DATA_AXES` only) is a gradient reduction, which a stack with
+        ``gradient_reduce_dtype = "float32"`` runs in fp32 (twice the bytes); anything else as traced."""
+        if (self.gradient_reduce_dtype == "float32" and prim in _REDUCTIONS and dtype in _NARROW
+                and axes and set(axes) <= DATA_AXES):
+            return 2 * nbytes, "float32"
+        return nbytes, dtype
+
     def needed_bytes(self, peak_bytes: float) -> float:
         """Device memory a run with this profile peak needs (allocator and reserved memory included)."""
         return peak_bytes * (1.0 + self.allocator_overhead) + self.reserved_bytes
@@ -97,7 +114,8 @@ class StackSpec:
         return {"name": self.name, "description": self.description,
                 "attention_causal_skip": self.attention_causal_skip, "attention_block": self.attention_block,
                 "attention_kernel": self.attention_kernel,
-                "saved_activations": self.saved_activations, "reserved_bytes": self.reserved_bytes,
+                "saved_activations": self.saved_activations, "gradient_reduce_dtype": self.gradient_reduce_dtype,
+                "reserved_bytes": self.reserved_bytes,
                 "allocator_overhead": self.allocator_overhead, "path": self.path}
 
 
@@ -129,21 +147,22 @@ def stack_from_dict(data: Any, where: str = "<dict>") -> StackSpec:
     """Validate a stack profile (every field needs its ``_source``; unknown fields are errors)."""
     if not isinstance(data, dict):
         raise SpecError(f"{where}: a stack profile is a TOML table")
-    unknown = sorted(set(data) - {"name", "description", "kernels", "memory"})
+    unknown = sorted(set(data) - {"name", "description", "kernels", "comm", "memory"})
     if unknown:
         raise SpecError(f"{where}: unknown field {unknown[0]}; a stack profile has name, description, "
-                        f"[kernels] and [memory]")
+                        f"[kernels], [comm] and [memory]")
     name = data.get("name")
     if not isinstance(name, str) or not name.strip() or len(name) > 64:
         raise SpecError(f"{where}: field name must be a non-empty string of at most 64 characters")
     kernels = check_fields(data.get("kernels", {}), _KERNELS, where, "kernels")
     memory = check_fields(data.get("memory", {}), _MEMORY, where, "memory")
+    comm = check_fields(data["comm"], _COMM, where, "comm") if "comm" in data else {}
     if memory.get("allocator_overhead", 0.0) > 0.5:
         raise SpecError(f"{where}: field memory.allocator_overhead = {memory['allocator_overhead']:g} is above 0.5; "
                         f"it is a fraction of the peak (0.05 = 5 %)")
     if memory.get("reserved_bytes", 0.0) > 2 ** 40:
         raise SpecError(f"{where}: field memory.reserved_bytes = {memory['reserved_bytes']:g} is above 1 TiB per device")
-    sources = tuple(sorted((f"{t}.{k}", str(v)) for t in ("kernels", "memory")
+    sources = tuple(sorted((f"{t}.{k}", str(v)) for t in ("kernels", "comm", "memory")
                            for k, v in data.get(t, {}).items() if k.endswith("_source")))
     return StackSpec(name=name, description=str(data.get("description", "")), path=where, sources=sources,
-                     **kernels, **memory)
+                     **kernels, **comm, **memory)

@@ -211,6 +211,7 @@ class Simulation:
         """Collective ``c``'s run, over member classes when it is symmetric enough; the ``first`` devices
         to open it seed the classes (those opening it later must then form whole classes)."""
         index, prim, axes, nbytes, dtype, perm = self.comm[c]
+        nbytes, dtype = self.spec.stack.wire(prim, axes, nbytes, dtype)      # as the analytical model prices it
         groups = self._groups.get(axes)
         if groups is None:
             groups = self._groups[axes] = make_groups(self.placement, axes)
