@@ -35,7 +35,8 @@ BASE = dict(batch=4, seq=8, layers=1)            # tiny: d_model 16, heads 4, d_
 # every non-default value of every option, alone
 SINGLES = [dict(head_dim=8), dict(kv_heads=2), dict(kv_heads=1), dict(mlp="relu"), dict(mlp="swiglu"),
            dict(block="parallel"), dict(tied=1), dict(norm="rmsnorm"), dict(bias="0"), dict(bias="1"),
-           dict(attention="flash")]
+           dict(attention="flash"), dict(remat="selective"), dict(remat="minimal"), dict(remat="dots"),
+           dict(remat="selective", attention="flash")]
 FACTORS = {"kv_heads": [4, 2, 1], "mlp": ["gelu", "relu", "swiglu"], "bias": ["mlp", "0", "1"],
            "head_dim": [4, 8], "block": ["serial", "parallel"], "tied": [0, 1],
            "norm": ["layernorm", "rmsnorm"], "attention": ["naive", "flash"], "remat": [0, 1]}
@@ -310,3 +311,15 @@ def test_published_config_traces_and_partitions(overrides, mesh):
     assert {e.prim for e in low.spmd.collectives()} == {"all_reduce"}
     assert math.isclose(sum(math.prod(v.shape) for v, n in zip(prog.inputs, prog.input_names)
                             if n.startswith("params/")), SC.param_count(cfg))
+
+
+def test_recompute_policies_recompute_what_they_say():
+    """The traced step's matmul FLOPs order the policies: none < dots (every dot output kept: only
+    elementwise work is recomputed) <= selective (the attention core's two dots again) <= minimal (the
+    dots with batch dimensions, i.e. attention's, again) < full (every forward dot again)."""
+    flops = {}
+    for remat in ("0", "dots", "selective", "minimal", "1"):
+        exp = Experiment("transformer", "bp", Mesh(batch=1), "tiny", dict(BASE, layers=2, remat=remat))
+        prog = exp.program
+        flops[remat] = sum(dot_general_cost(e)[0] for e in prog.eqns if e.prim == "dot_general")
+    assert flops["0"] == flops["dots"] < flops["selective"] <= flops["minimal"] < flops["1"], flops
