@@ -116,8 +116,8 @@ def explain(r: FidelityResult) -> str:
                   f"-> {'fits' if sim.fits else 'DOES NOT FIT (the run did run)'}",
               "  " + "  ".join(f"{k} {v / gib:.2f}" for k, v in sim.memory.items() if v),
               "", _stack_line(c.stack, c.hardware),
-              "not in the model yet: per-layer CPU and launch overheads of eager stacks, the precision of "
-              "gradient reductions, NCCL kernels slowing the compute they overlap (issue 23)"]
+              "not in the model yet: eager stacks' op-by-op kernels and per-layer CPU and launch overheads, "
+              "NCCL kernels slowing the compute they overlap (issue 23)"]
     return "\n".join(lines)
 
 
@@ -247,7 +247,8 @@ def _stack_line(name: str, hardware: str) -> str:
               f"{k.name}, measured on {hardware}" if hardware in k.chips() else
               f"{k.name}, not measured on {hardware} (measured on {', '.join(k.chips())}): priced as its GEMMs")
     return (f"stack {st.name}: causal flash blocks skipped: {'yes' if st.attention_causal_skip else 'no'}; attention "
-            f"kernel: {kernel}; saved for the backward: {st.saved_activations}; memory beside the tensors: "
+            f"kernel: {kernel}; gradient reductions: {st.gradient_reduce_dtype.replace('_', ' ')}; saved for the "
+            f"backward: {st.saved_activations}; memory beside the tensors: "
             f"{st.reserved_bytes / 1e9:g} GB reserved + {100 * st.allocator_overhead:g}% of the peak for the allocator")
 
 
