@@ -69,6 +69,40 @@ def primal_outputs(program: Program, state_outputs: dict[str, str] | None) -> li
     return [k for k, o in enumerate(program.outputs) if isinstance(o, Var) and o.ndim == 0]
 
 
+def primal_cone(program: Program, primal_outputs: Sequence[int]) -> frozenset[int]:
+    """The indices of the equations that the ``primal_outputs`` (output indices) depend on. On the
+    flat program of :mod:`..loop_view` the link equations carry the dependence through loops, so a
+    loop body's equations are in the cone exactly when the forward pass needs them (a gradient
+    accumulation body's forward pass, not its backward pass)."""
+    prod = program.producers()
+    seen: set[int] = set()
+    stack = [prod[o] for k in primal_outputs for o in (program.outputs[k],) if isinstance(o, Var) and o in prod]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        stack += [prod[a] for a in program.eqns[i].inputs if isinstance(a, Var) and a in prod]
+    return frozenset(seen)
+
+
+def body_clusters(body: Program, origin: Sequence[int], cone: frozenset[int]) -> list[Hashable] | None:
+    """The use clusters of a lowered loop body (``origin``: the flat global equation of each body
+    equation) whose iteration runs a forward *and* a backward pass, as a gradient-accumulation body
+    does: its forward pass ends at the last equation of the primal ``cone`` that reads a gathered
+    value (the body's own outputs are sums into carries, computed after its backward pass, so the
+    last producer of a primal output would put the whole body in the forward pass). None when the
+    body reads gathered values in one pass only: a forward layer, or a backward layer whose recompute
+    and gradient share their gathers (as an FSDP unit's backward does)."""
+    gathered = _Remat(body, [0] * len(body.eqns)).deferred
+    readers = [j for j, e in enumerate(body.eqns)
+               if not (e.outputs and e.outputs[0] in gathered) and any(a in gathered for a in e.inputs if isinstance(a, Var))]
+    forward = [origin[j] for j in readers if origin[j] in cone]
+    if not forward or all(origin[j] in cone or origin[j] <= max(forward) for j in readers):
+        return None
+    return pass_clusters(origin, max(forward))
+
+
 def pass_clusters(origin: Sequence[int], boundary: int | None) -> list[Hashable]:
     """The use cluster of each lowered equation, from the global equation it was lowered for
     (``origin``) and the last forward global equation (``boundary``; None: one per equation)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from partir_emu.compiler.loop_view import Region
-from partir_emu.compiler.lowering.gathers import cast_before_gather
+from partir_emu.compiler.lowering.gathers import body_clusters, cast_before_gather, rematerialise_gathers
 from partir_emu.compiler.state import ShardingState
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.loops import loop_eqn, parts
@@ -43,6 +43,7 @@ class LoopLowerer(Protocol):
     origin: list[int]
     actual: dict[Var, Sharding]
     local: dict[Var, Var]
+    primal_cone: frozenset[int]
 
     def new_var(self, shape: Any, dtype: Any) -> Var: ...
     def append(self, e: Eqn) -> None: ...
@@ -84,11 +85,15 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
     outs: list[Atom] = [_to(lw, o, rows[nc + k], f"carry {k} of {where}") for k, o in enumerate(body.outputs[:nk])]
     y_rows = [Sharding(tuple(st.value_dims[y])[1:]) for y in lp.ys]
     outs += [_to(lw, o, s, f"row of result {j} of {where}") for j, (o, s) in enumerate(zip(body.outputs[nk:], y_rows))]
-    body_eqns = lw.eqns
+    body_eqns, body_origin = lw.eqns, lw.origin
     lw.eqns, lw.origin = saved
     local_body = Program(tuple(body_ins), body.input_names, tuple(body_eqns), tuple(outs), body.output_names,
                          body.consts)
-    local_body, _ = cast_before_gather(local_body)
+    local_body, moved = cast_before_gather(local_body)
+    origin = [body_origin[j] for j in moved]
+    clusters = body_clusters(local_body, origin, lw.primal_cone)
+    if clusters is not None:      # forward and backward in one iteration: each pass gathers its own
+        local_body = rematerialise_gathers(local_body, clusters)
     # 4. the loop equation and its results' layouts
     results: list[Var] = []
     for v, s in zip((*lp.carry_out, *lp.ys), (*rows[nc:nc + nk], *(Sharding(((), *s.dims)) for s in y_rows))):

@@ -24,6 +24,7 @@ from partir_emu.compiler.lowering.gathers import (
     cast_before_gather,
     last_primal_eqn,
     pass_clusters,
+    primal_cone,
     primal_outputs,
     rematerialise_gathers,
 )
@@ -51,6 +52,8 @@ class Lowerer:
         self.actual: dict[Var, Sharding] = {}
         self.local: dict[Var, Var] = {}
         self.cache: dict[tuple[Var, Sharding], Var] = {}
+        # the global equations the forward pass needs (set by :func:`lower`): a loop body's passes
+        self.primal_cone: frozenset[int] = frozenset()
         # A pending sum passes through a linear reader only if *every* reader of the value is
         # linear; otherwise it is resolved once and all readers share the resolved value.
         users = state.program.users()
@@ -263,5 +266,9 @@ def lower(state: ShardingState, state_outputs: dict[str, str] | None = None) -> 
                 if v.shape != p.outputs[k].shape:
                     raise LoweringError(f"output {name!r} {p.outputs[k].shape} cannot mirror input {src!r} {v.shape}")
                 targets[k] = state.sharding(v)
-    return Lowerer(state).run(targets, last_primal_eqn(p, primal_outputs(p, state_outputs)))
+    primal = primal_outputs(p, state_outputs)
+    lowerer = Lowerer(state)
+    if state.index.regions:
+        lowerer.primal_cone = primal_cone(p, primal)
+    return lowerer.run(targets, last_primal_eqn(p, primal))
 
