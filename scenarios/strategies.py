@@ -105,6 +105,14 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
             if batch_size(cfg) % group:
                 raise ScenarioError(f"strategy {name!r}: batch {batch_size(cfg)} is not divisible by the data "
                                     f"axes {daxes} of {mesh} (product {group}); change --set batch=...")
+            # gradient accumulation shards every micro-batch's rows, not the batch's: a micro-batch
+            # smaller than the data group would be resharded across it on every step (silently
+            # slow), so it is refused like an indivisible batch
+            k = int(cfg.get("microbatches", 1))
+            if k > 1 and (batch_size(cfg) // k) % group:
+                raise ScenarioError(f"strategy {name!r}: a micro-batch of batch {batch_size(cfg)} / microbatches "
+                                    f"{k} = {batch_size(cfg) // k} rows is not divisible by the data axes {daxes} "
+                                    f"of {mesh} (product {group}); lower --set microbatches=... or raise batch")
         for ax in daxes:
             tactics.append(ManualPartition({p: 0 for p in batch_patterns}, axis=ax, name=f"bp:{ax}"))
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from partir_emu.errors import ScenarioError
 from scenarios.trees import map_leaves
 
 
@@ -46,13 +47,46 @@ def adam_init(params: Any) -> dict:
     return {"mu": jax.tree.map(jnp.zeros_like, params), "nu": jax.tree.map(jnp.zeros_like, params),
             "count": jnp.zeros((), jnp.int32)}
 
-def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False) -> Any:
+def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False, microbatches: int = 1) -> Any:
     """``(params, opt, batch) -> (loss, new_params, new_opt)``: value_and_grad of ``loss_fn`` then
-    :func:`adam_update`; with ``grads_only`` stopped before the optimizer: ``-> (loss, grads)``."""
+    :func:`adam_update`; with ``grads_only`` stopped before the optimizer: ``-> (loss, grads)``.
+
+    ``microbatches = K > 1`` is gradient accumulation: the batch's leading dim ``B`` is cut into K
+    micro-batches of ``B / K`` rows, a ``lax.scan`` runs the forward and backward pass on each (so
+    one micro-batch's activations are live at a time), the losses and gradients are summed in the
+    carry and divided by K, and the optimizer steps once. Micro-batch ``j`` holds rows
+    ``j, K + j, 2K + j, ...``: the batch is reshaped ``[B] -> [B/K, K]`` and its two dims swapped, so
+    a batch sharding of ``B`` stays on every micro-batch's rows (each device holds its own slice of
+    every micro-batch, as data-parallel accumulation does) instead of one micro-batch per device
+    group. The mean over K equal micro-batches of their mean losses is the batch's mean loss.
+    """
     import jax
+    import jax.numpy as jnp
+
+    def grads_of(params, batch):
+        if microbatches == 1:
+            return jax.value_and_grad(loss_fn)(params, batch)
+        k = microbatches
+
+        def split(x):
+            if x.shape[0] % k:
+                raise ScenarioError(f"microbatches={k} does not divide the batch dim {x.shape[0]}; "
+                                    "choose a batch that is a multiple of microbatches")
+            return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+
+        def body(acc, micro):
+            loss, grads = jax.value_and_grad(loss_fn)(params, micro)
+            return (acc[0] + loss, jax.tree.map(jnp.add, acc[1], grads)), None
+
+        micro = jax.tree.map(split, batch)
+        # the loss's own dtype (float64 when the verdict runs the reference under jax_enable_x64)
+        loss_type = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro))
+        zero = (jnp.zeros((), loss_type.dtype), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zero, micro)
+        return loss / k, jax.tree.map(lambda g: g / np.asarray(k, g.dtype), grads)
 
     def step(params, opt, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = grads_of(params, batch)
         if grads_only:
             return loss, grads
         new_params, new_opt = adam_update(grads, opt, params, lr=lr)

@@ -144,7 +144,7 @@ def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
 
     loss_fn = make_loss(cfg)
 
-    return train_step(loss_fn, lr=lr, grads_only=grads_only)
+    return train_step(loss_fn, lr=lr, grads_only=grads_only, microbatches=int(cfg.get("microbatches", 1)))
 
 
 __all__ = ["make_step", "make_loss", "make_block", "norm", "dense", "gelu", "relu", "silu", "compute_dtype"]

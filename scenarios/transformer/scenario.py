@@ -40,6 +40,9 @@ remat          0|1|full|selective|minimal|dots (0)
                                            core (Korthikanti et al. 2022); minimal the layer but the
                                            outputs of dots without batch dims (MaxText's
                                            remat_policy=minimal); dots the layer but every dot output
+microbatches   int (1)                     gradient accumulation: K forward/backward passes over
+                                           batch/K rows each (one ``lax.scan``), gradients summed,
+                                           one Adam step (``scenarios.training.train_step``)
 layers_as      unrolled|loop (unrolled)    loop: the layers are one ``lax.scan`` over
                                            ``params/layers/...`` (each leaf stacked on dim 0),
                                            as MaxText and PaLM-style code write it; the
@@ -124,7 +127,7 @@ from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strate
 from scenarios.transformer import model as transformer_model
 
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
-              "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as")
+              "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as")
 CHOICES: dict[str, tuple[str, ...]] = {
     "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots"),
     "precision": ("f32", "bf16"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
@@ -132,7 +135,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 FLAG_NAMES = ("tied",)
 # the original model; head_dim and kv_heads are derived (complete_config)
-DEFAULTS: Config = dict(remat="0", precision="f32", mlp="gelu", block="serial", tied=0, norm="layernorm",
+DEFAULTS: Config = dict(remat="0", microbatches=1, precision="f32", mlp="gelu", block="serial", tied=0, norm="layernorm",
                         bias="mlp", attention="naive", layers_as="unrolled")
 
 PRESETS: dict[str, Config] = {
@@ -310,6 +313,9 @@ PARAM_KINDS = param_kinds(None)
 
 
 def _check_config(cfg: Config) -> None:
+    if cfg["microbatches"] < 1 or cfg["batch"] % cfg["microbatches"]:
+        raise ScenarioError(f"transformer: microbatches={cfg['microbatches']} does not divide batch={cfg['batch']}; "
+                            "gradient accumulation needs equal micro-batches (set batch to a multiple of it)")
     if cfg["heads"] % cfg["kv_heads"]:
         raise ScenarioError(f"transformer: kv_heads={cfg['kv_heads']} does not divide heads={cfg['heads']}; "
                             "grouped-query attention needs whole groups (kv_heads=1 is multi-query)")
