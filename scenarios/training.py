@@ -100,12 +100,14 @@ def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: f
     import jax
     import jax.numpy as jnp
 
-    count = state["count"] + jnp.int32(1)
-    t = count.astype(jnp.float32)
-    # b ** t written as exp(t * log b): only exp and mul, no pow.
-    bc1 = 1.0 - jnp.exp(t * np.float32(math.log(b1)))
-    bc2 = 1.0 - jnp.exp(t * np.float32(math.log(b2)))
-    mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state["mu"], grads)
-    nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), state["nu"], grads)
-    new_params = jax.tree.map(lambda p, m, v: p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + eps), params, mu, nu)
-    return new_params, {"mu": mu, "nu": nu, "count": count}
+    # one framework op (PyTorch's fused / multi-tensor Adam step): one kernel under an eager stack
+    with jax.named_scope("kernel:op.adam"):
+        count = state["count"] + jnp.int32(1)
+        t = count.astype(jnp.float32)
+        # b ** t written as exp(t * log b): only exp and mul, no pow.
+        bc1 = 1.0 - jnp.exp(t * np.float32(math.log(b1)))
+        bc2 = 1.0 - jnp.exp(t * np.float32(math.log(b2)))
+        mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state["mu"], grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), state["nu"], grads)
+        new_params = jax.tree.map(lambda p, m, v: p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + eps), params, mu, nu)
+        return new_params, {"mu": mu, "nu": nu, "count": count}

@@ -142,7 +142,7 @@ def totals(pr: Priced, spec: HardwareSpec) -> Totals:
     bytes count under its dominant equation; counts are of executed equations (a loop equation itself
     is not counted: its body's equations are)."""
     pc = pr.analysis.costs
-    fplan = pc.fusion.plan(spec.compiler)
+    fplan = pc.fusion.plan(spec.kernels)
     n = len(pr.times)
     rep_t, rep_b = np.zeros(n), np.zeros(n)
     rep_t[fplan.rep] = pr.times[fplan.last]

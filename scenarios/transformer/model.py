@@ -23,24 +23,36 @@ from scenarios.transformer.attention import ATTENTION
 EPS = 1e-5
 
 
+def op_scope(name: str):
+    """``jax.named_scope("kernel:op.NAME")``: the equations inside are one framework op (PyTorch's
+    ``F.layer_norm``, ``F.gelu``, ...), one kernel under an eager stack (``hwmodels.compute.fusion``);
+    XLA stacks ignore the tag. It never changes what is computed."""
+    import jax
+
+    return jax.named_scope(f"kernel:op.{name}")
+
+
 def gelu(x):
     """gelu, tanh approximation, in ``x``'s dtype."""
     import jax.numpy as jnp
 
-    c = np.asarray(math.sqrt(2.0 / math.pi), x.dtype)
-    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
+    with op_scope("gelu"):
+        c = np.asarray(math.sqrt(2.0 / math.pi), x.dtype)
+        return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
 
 
 def relu(x):
     import jax.numpy as jnp
 
-    return jnp.maximum(x, 0.0)
+    with op_scope("relu"):
+        return jnp.maximum(x, 0.0)
 
 
 def silu(x):
     import jax
 
-    return x * jax.nn.sigmoid(x)
+    with op_scope("silu"):
+        return x * jax.nn.sigmoid(x)
 
 
 def norm(x, p: dict, kind: str, dtype):
@@ -48,15 +60,16 @@ def norm(x, p: dict, kind: str, dtype):
     import jax
     import jax.numpy as jnp
 
-    x = wide(x)
-    if kind == "rmsnorm":
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * p["scale"]
-    else:
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        xc = x - mean
-        var = jnp.mean(xc * xc, axis=-1, keepdims=True)
-        y = xc * jax.lax.rsqrt(var + EPS) * p["scale"] + p["bias"]
-    return as_dtype(y, dtype)
+    with op_scope(kind):
+        x = wide(x)
+        if kind == "rmsnorm":
+            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * p["scale"]
+        else:
+            mean = jnp.mean(x, axis=-1, keepdims=True)
+            xc = x - mean
+            var = jnp.mean(xc * xc, axis=-1, keepdims=True)
+            y = xc * jax.lax.rsqrt(var + EPS) * p["scale"] + p["bias"]
+        return as_dtype(y, dtype)
 
 
 def dense(x, p: dict, w: str, b: str | None = None):
@@ -131,9 +144,11 @@ def make_loss(cfg: Config):
                 x = block(x, params[f"layer_{i}"])
         h = norm(x, params["final_ln"], cfg["norm"], dtype)
         unembed = as_dtype(emb["tokens"], dtype).T if cfg["tied"] else as_dtype(params["unembed"]["w"], dtype)
-        logp = jax.nn.log_softmax(wide(h @ unembed), axis=-1)
-        onehot = jax.nn.one_hot(batch["targets"], cfg["vocab"], dtype=logp.dtype)
-        return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+        logits = h @ unembed
+        with op_scope("cross_entropy"):
+            logp = jax.nn.log_softmax(wide(logits), axis=-1)
+            onehot = jax.nn.one_hot(batch["targets"], cfg["vocab"], dtype=logp.dtype)
+            return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
 
     return loss_fn
 

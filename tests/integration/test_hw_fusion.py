@@ -21,6 +21,7 @@ from partir_emu.hwmodels.analytical import analyze, compute_times  # noqa: E402
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec  # noqa: E402
 from partir_emu.hwmodels.compute.fusion import FusionPlan
 from partir_emu.hwmodels.compute.kernel_times import group_times
+from partir_emu.hwmodels.compute.stack import load_stack
 from partir_emu.hwmodels.des import simulate_des  # noqa: E402
 
 F32 = 4
@@ -196,3 +197,44 @@ def test_des_sees_the_same_groups(hardware):
     ana = simulate(spmd, hardware)
     des = simulate_des(spmd, hardware)
     assert des.step_s == pytest.approx(ana.step_s, rel=1e-9)
+
+
+# -- eager stacks (PyTorch without torch.compile): one kernel per framework op --------------------
+EAGER = load_spec("h100").with_stack(load_stack("pytorch-fsdp")).kernels
+
+
+def _eager_block(x, w, b, g, beta):
+    """``x + gelu(layernorm(x) @ w + b)`` with the ops tagged as the transformer scenario tags them."""
+    with jax.named_scope("kernel:op.layernorm"):
+        m = x.mean(-1, keepdims=True)
+        xc = x - m
+        h = xc * jax.lax.rsqrt((xc * xc).mean(-1, keepdims=True) + 1e-5) * g + beta
+    y = h.reshape(8, 8, 256).reshape(64, 256) @ w + b
+    with jax.named_scope("kernel:op.gelu"):
+        y = 0.5 * y * (1.0 + jnp.tanh(0.79788456 * (y + 0.044715 * y * y * y)))
+    return x + y
+
+
+def test_eager_stack_runs_each_framework_op_as_one_kernel():
+    """Under pytorch-fsdp (eager): the LayerNorm is one kernel (read x, write h), the dot takes its bias
+    add (cuBLASLt's epilogue: read h, w, b; write y), the GELU one kernel (read y, write it), the
+    residual add one (read x and y, write the output); the reshapes are views and cost nothing. The
+    bytes are that closed form. The chip's XLA grouping of the same program ignores the op tags."""
+    vec = jnp.ones(256)
+    args = (X, jnp.ones((256, 256)), vec, vec, vec)
+    assert EAGER.eager and not load_spec("h100").kernels.eager
+    p, plan = plan_of(_eager_block, *args, compiler=EAGER)
+    assert groups(p, plan) == [
+        ["reduce_sum", "broadcast_in_dim", "div", "sub", "mul", "reduce_sum", "broadcast_in_dim", "div", "add",
+         "rsqrt", "mul", "broadcast_in_dim", "mul", "broadcast_in_dim", "add"],      # its broadcasts inside
+        ["dot_general", "add"],
+        ["mul", "mul", "mul", "mul", "add", "mul", "tanh", "add", "mul"],
+        ["add"]]
+    W, V = 256 * 256 * F32, 256 * F32
+    assert plan.bytes.tolist() == [XB + 2 * V + XB, XB + W + V + XB, XB + XB, 2 * XB + XB]
+    # the same program under the chip's own (XLA) compiler: the op tags are no kernels there
+    untagged = Program(p.inputs, p.input_names, tuple(Eqn(e.prim, e.inputs, e.outputs, e.params, e.source)
+                                                      for e in p.eqns), p.outputs, p.output_names, p.consts)
+    xla = analyze(p).fusion.plan(GPU)
+    assert groups(p, xla) == groups(untagged, analyze(untagged).fusion.plan(GPU))
+    assert xla.bytes.tolist() == analyze(untagged).fusion.plan(GPU).bytes.tolist() and xla.hand_kernels == 0

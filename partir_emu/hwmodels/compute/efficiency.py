@@ -6,7 +6,8 @@
 - ``loop_fusion``: elementwise / layout / reduction chains fuse into one loop (XLA does, on every chip);
 - ``matmul_operand_fusion``: elementwise producers (converts, broadcasts, transposes) fuse into a
   dot's operands (XLA:TPU does; XLA:GPU hands dots to cuBLAS, which reads plain operands);
-- ``matmul_epilogue``: which consumers fuse into a dot's output: ``"none"``, ``"bias_activation"``
+- ``matmul_epilogue``: which consumers fuse into a dot's output: ``"none"``, ``"bias"`` (one bias
+  add, cuBLASLt's BIAS epilogue, as PyTorch's ``addmm`` runs ``nn.Linear``), ``"bias_activation"``
   (cuBLASLt epilogues: consumers that read no other full-size tensor, i.e. bias add, relu, gelu),
   ``"elementwise"`` (XLA:TPU output fusion: any elementwise consumer);
 - ``kernel_launch_s`` (optional): fixed time per launched kernel (GPU launch gap; TPUs run one
@@ -50,7 +51,7 @@ import numpy as np
 
 from partir_emu.errors import SpecError
 
-EPILOGUES = ("none", "bias_activation", "elementwise")
+EPILOGUES = ("none", "bias", "bias_activation", "elementwise")
 SCHEDULES = ("data_parallel", "stream_k")
 
 
@@ -62,11 +63,13 @@ class CompilerSpec:
     matmul_operand_fusion: bool = False
     matmul_epilogue: str = "none"
     kernel_launch_s: float = 0.0
+    # not a chip's: an eager stack (``StackSpec.eager``) runs each framework op as its own kernel
+    eager: bool = False
 
     @property
-    def variant(self) -> tuple[bool, bool, str]:
+    def variant(self) -> tuple[bool, bool, str, bool]:
         """What selects a grouping (:func:`.fusion.fuse` is computed once per program per variant)."""
-        return self.loop_fusion, self.matmul_operand_fusion, self.matmul_epilogue
+        return self.loop_fusion, self.matmul_operand_fusion, self.matmul_epilogue, self.eager
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,14 @@ Grouping (:func:`fuse`, one pass in program order, hardware independent; the spe
   (bias add, relu, gelu: cuBLASLt epilogues); no group holds two dots;
 - **hand-fused kernels**: equations tagged with the same ``Eqn.kernel`` form one group per
   connected region whatever their kinds (dots included): one kernel;
+- **eager** (``CompilerSpec.eager``: a stack without a compiler, PyTorch eager): each framework op is
+  one kernel. The program marks which equations make one op with ``Eqn.kernel`` tags ``op.NAME``
+  (a LayerNorm, a GELU, a cross-entropy: the scenario code wraps them in
+  ``jax.named_scope("kernel:op.NAME")``, as the PyTorch code it stands for calls ``F.layer_norm``);
+  each tagged region is one group, every untagged elementwise op or reduction is a group of its own
+  (``x + y`` is one kernel), a dot takes at most one bias add (``matmul_epilogue = "bias"``), and
+  views (reshape, transpose, broadcast, slice) cost nothing: their readers read what they view.
+  Other stacks ignore ``op.`` tags (XLA fuses across them);
 - everything else (communicating collectives, sort, cumulative ops, in-place updates) is its own
   group priced by its unfused cost rule, and breaks the groups it reads; so is a ``loop`` equation
   (no cost of its own here: its body's groups are formed within the body, :mod:`partir_emu.hwmodels.pricing`);
@@ -28,7 +36,7 @@ Grouping (:func:`fuse`, one pass in program order, hardware independent; the spe
 A value crosses a boundary once per reader group (read) and once in all (written, by its producer's
 group, if any other group or the program's outputs read it). Slicing ops read only the region they keep.
 
-Pricing the groups: :mod:`.kernel_times`.
+Measuring them: :mod:`.fusion_plan`; pricing them: :mod:`.kernel_times`.
 
 Not modelled: multi-output (sibling) fusion of reductions over the same input, recomputation of
 elementwise producers into several consumer groups (XLA duplicates cheap ones; only broadcast/iota are
@@ -39,19 +47,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from partir_emu.core.ir import Program, Var
 from partir_emu.hwmodels.compute.costs import op_kind
-from partir_emu.hwmodels.compute.dot_shapes import dot_dims, head_width, score_len
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec
-from partir_emu.hwmodels.machine.specs import MATMUL_16BIT_DTYPES
+from partir_emu.hwmodels.compute.fusion_plan import CHEAP, DOT, FLASH_KERNEL, LOOP, OPAQUE, REDUCE, FusionPlan, measure
 from partir_emu.primitives.costs import buffer_bytes
 
-CHEAP, LOOP, REDUCE, DOT, OPAQUE = range(5)
-FLASH_KERNEL = "flash_attention"        # the Eqn.kernel tag of a flash-attention core (its backward: ".../bwd")
+OP_PREFIX = "op."                       # an Eqn.kernel tag of one framework op: a kernel under eager stacks only
+# what an eager framework runs as views of its operand (no kernel): PyTorch's view/expand/narrow/permute
+_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "slice", "stop_gradient",
+                    "all_slice", "to_partial", "copy", "copy_p"})
+
+
+def hand_tag(kernel: str, eager: bool) -> str:
+    """The hand-fused kernel an ``Eqn.kernel`` tag makes under a compiler (``op.`` tags: eager only)."""
+    return "" if not eager and kernel.startswith(OP_PREFIX) else kernel
 _CHEAP = frozenset({"broadcast_in_dim", "iota", "axis_index"})
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                      "argmax", "argmin"})
@@ -74,37 +87,6 @@ def fusion_class(prim: str) -> int:
     return OPAQUE
 
 
-@dataclass(frozen=True)
-class FusionPlan:
-    """The groups of one program under one compiler variant (hardware independent arrays)."""
-
-    group_of: np.ndarray       # per equation: its group, -1 for a duplicated cheap op
-    last: np.ndarray           # per group: its last equation (where its time lands)
-    rep: np.ndarray            # per group: the equation its time is reported under (its dominant kind)
-    members: np.ndarray        # per group: number of equations
-    bytes: np.ndarray          # per group: HBM bytes across its boundary
-    vec_flops: np.ndarray      # per group: FLOPs on the vector units
-    work: np.ndarray           # per group: does it launch a kernel (moves bytes or computes)?
-    hand_kernels: int          # groups formed by an Eqn.kernel tag
-    dot_group: np.ndarray      # per dot: its group
-    dot_flops: np.ndarray
-    dot_f32: np.ndarray        # per dot: priced at the f32 matrix rate (else the 16-bit one)
-    dot_dims: np.ndarray       # per dot: (batch, M, N, K), shape (dots, 4)
-    causal_seq: np.ndarray     # per group: the score length s of a hand-fused flash-attention kernel, else 0
-    flash_head_dim: np.ndarray  # per group: the head width d of that kernel's dots (s×d operands), else 0
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.last)
-
-    def summary(self, unfused_bytes: float) -> dict[str, float]:
-        """What the report prints: kernels launched, fused groups, hand kernels, bytes saved."""
-        fused = float(self.bytes.sum())
-        return {"kernels": int(self.work.sum()), "fused_groups": int((self.members > 1).sum()),
-                "hand_kernels": self.hand_kernels, "unfused_bytes": float(unfused_bytes), "fused_bytes": fused,
-                "bytes_saved": float(unfused_bytes) - fused}
-
-
 class FusionCache:
     """The fusion plans of one program, one per compiler variant, built when first asked for (an
     explicit memo; :class:`~partir_emu.hwmodels.analytical.ProgramCosts` holds one so the DES and the analytical model
@@ -116,7 +98,7 @@ class FusionCache:
         self._program = program
         self._flops = flops
         self._bytes = byts
-        self._plans: dict[tuple[bool, bool, str], FusionPlan] = {}
+        self._plans: dict[tuple[bool, bool, str, bool], FusionPlan] = {}
 
     def plan(self, compiler: CompilerSpec) -> FusionPlan:
         key = compiler.variant
@@ -160,7 +142,7 @@ class _Groups:
             self.dot[g] = self.dot[r]
 
 
-def _transparent(program: Program, cls: Sequence[int], operand_fusion: bool) -> list[bool]:
+def _transparent(program: Program, cls: Sequence[int], operand_fusion: bool, tags: Sequence[str]) -> list[bool]:
     """Cheap ops duplicated into their consumers: every user fuses them and no output is a program output."""
     eqns = program.eqns
     users = program.users()
@@ -168,7 +150,7 @@ def _transparent(program: Program, cls: Sequence[int], operand_fusion: bool) -> 
     t = [False] * len(eqns)
     for i in range(len(eqns) - 1, -1, -1):
         e = eqns[i]
-        if cls[i] != CHEAP or e.kernel:
+        if cls[i] != CHEAP or tags[i]:
             continue
         ok = True
         for o in e.outputs:
@@ -176,14 +158,14 @@ def _transparent(program: Program, cls: Sequence[int], operand_fusion: bool) -> 
                 ok = False
             for u in users.get(o, ()):
                 cu = cls[u]
-                if not (t[u] or cu == LOOP or cu == REDUCE or eqns[u].kernel or (cu == DOT and operand_fusion)):
+                if not (t[u] or cu == LOOP or cu == REDUCE or tags[u] or (cu == DOT and operand_fusion)):
                     ok = False
         t[i] = ok
     return t
 
 
-def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], compiler: CompilerSpec
-           ) -> tuple[list[int], _Groups, list[tuple]]:
+def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], compiler: CompilerSpec,
+           tags: Sequence[str]) -> tuple[list[int], _Groups, list[tuple]]:
     """Assign every non-transparent equation a group (program order). Returns (group root per equation,
     the groups, each equation's expanded inputs as (var, read bytes or -1 for whole)."""
     eqns = program.eqns
@@ -192,7 +174,7 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
     gid = [-1] * len(eqns)
     reads: list[tuple] = [()] * len(eqns)
     memo: dict[int, list] = {}
-    epilogue, operand = compiler.matmul_epilogue, compiler.matmul_operand_fusion
+    epilogue, operand, eager = compiler.matmul_epilogue, compiler.matmul_operand_fusion, compiler.eager
     for i, e in enumerate(eqns):
         for o in e.outputs:
             prod[o.id] = i
@@ -200,11 +182,12 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
             continue
         reads[i] = rd = _expanded_reads(e, eqns, prod, transparent, memo)
         # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
-        tag = e.kernel if op_kind.get(e.prim) != "collective" and e.prim != "loop" else ""
+        tag = tags[i] if op_kind.get(e.prim) != "collective" and e.prim != "loop" else ""
         g = gs.new(tag)
         cand = {gs.find(gid[p]) for v, _ in rd if (p := prod.get(v.id)) is not None}
         c = cls[i]
-        close_self = c in (REDUCE, OPAQUE, CHEAP) or (c == DOT and epilogue == "none")
+        # eager: an untagged op is one kernel (a dot's bias add joins the dot, then closes it)
+        close_self = c in (REDUCE, OPAQUE, CHEAP) or (c == DOT and epilogue == "none") or (eager and c != DOT)
         if c == DOT:
             gs.dot[g] = i
         dot_taken = False
@@ -218,10 +201,11 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
             elif gs.dot[r] >= 0:
                 ok = c == LOOP and not dot_taken and (
                     epilogue == "elementwise"
-                    or (epilogue == "bias_activation" and _reads_only(e, r, gs, gid, prod, transparent)))
+                    or (epilogue == "bias_activation" and _reads_only(e, r, gs, gid, prod, transparent))
+                    or (epilogue == "bias" and e.prim == "add" and _reads_only(e, r, gs, gid, prod, transparent)))
                 dot_taken = dot_taken or ok
             else:
-                ok = True
+                ok = not eager
             if ok:
                 gs.union(g, r)
             else:
@@ -282,101 +266,15 @@ def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: Compil
         reads: list[tuple] = [()] * n
         tags = [""] * n
     else:
-        cls = [fusion_class(e.prim) for e in eqns]
-        transparent = _transparent(program, cls, compiler.matmul_operand_fusion)
-        gid, gs, reads = _group(program, cls, transparent, compiler)
+        eager = compiler.eager
+        cls = [CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim) for e in eqns]
+        own = [hand_tag(e.kernel, eager) for e in eqns]
+        # eager: a view is free whoever reads it (a GEMM takes a strided or transposed operand too)
+        transparent = _transparent(program, cls, compiler.matmul_operand_fusion or eager, own)
+        gid, gs, reads = _group(program, cls, transparent, compiler, own)
         tags = [gs.tag[g] if g >= 0 else "" for g in gid]
-    return _measure(program, flops, byts, cls, gid, reads, tags)
+    return measure(program, flops, byts, cls, gid, reads, tags)
 
 
-def _measure(program: Program, flops: np.ndarray, byts: np.ndarray, cls: Sequence[int], gid: Sequence[int],
-             reads: Sequence[tuple], tags: Sequence[str]) -> FusionPlan:
-    """Dense group numbers, boundary bytes, FLOPs and the dots of a grouping."""
-    eqns = program.eqns
-    n = len(eqns)
-    dense: dict[int, int] = {}
-    group_of = np.array([dense.setdefault(g, len(dense)) if g >= 0 else -1 for g in gid], dtype=np.int64)
-    G = len(dense)
-    gl = group_of.tolist()
-    prod_group: dict[int, int] = {}
-    for i, e in enumerate(eqns):
-        for o in e.outputs:
-            prod_group[o.id] = gl[i]
-    opaque = [False] * G
-    for i in range(n):
-        if gl[i] >= 0 and cls[i] == OPAQUE:
-            opaque[gl[i]] = True                 # its own cost rule (in-place updates, sort, collectives)
-    ext: dict[tuple[int, int], float] = {}       # (group, var id) -> bytes read from outside
-    written: dict[int, tuple[int, float]] = {}   # var id -> (producer group, bytes)
-    for i in range(n):
-        g = gl[i]
-        if g < 0:
-            continue
-        for v, amount in reads[i] or _plain_reads(eqns[i]):
-            pg = prod_group.get(v.id, -1)
-            if pg == g:
-                continue
-            full = buffer_bytes(v.shape, v.dtype)
-            if pg >= 0:
-                written[v.id] = (pg, full)
-            key = (g, v.id)
-            prev = ext.get(key, 0.0)
-            ext[key] = full if amount < 0 or prev >= full else min(full, prev + amount)
-    for out in program.outputs:                  # a Var or a Literal (never written by a group)
-        if type(out) is Var and prod_group.get(out.id, -1) >= 0:
-            written[out.id] = (prod_group[out.id], buffer_bytes(out.shape, out.dtype))
-    gbytes = np.zeros(G)
-    for (g, _), b in ext.items():
-        if not opaque[g]:
-            gbytes[g] += b
-    for pg, b in written.values():
-        if not opaque[pg]:
-            gbytes[pg] += b
-    ga = group_of[group_of >= 0]
-    fl = flops[group_of >= 0]
-    for i in range(n):
-        if gl[i] >= 0 and opaque[gl[i]]:
-            gbytes[gl[i]] += byts[i]
-    return _plan(program, group_of, ga, fl, gbytes, cls, tags)
-
-
-def _plain_reads(e) -> tuple:
-    return tuple((a, -1) for a in e.inputs if type(a) is Var)
-
-
-def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray, gbytes: np.ndarray,
-          cls: Sequence[int], tags: Sequence[str]) -> FusionPlan:
-    eqns = program.eqns
-    G = len(gbytes)
-    idx = np.flatnonzero(group_of >= 0)
-    last = np.zeros(G, dtype=np.int64)
-    last[ga] = idx                                 # ascending idx: the last write wins
-    members = np.bincount(ga, minlength=G)
-    kinds = [op_kind.get(eqns[i].prim, "") for i in idx.tolist()]
-    is_dot = np.array([k == "matmul" for k in kinds], dtype=bool)
-    vec_flops = np.bincount(ga[~is_dot], weights=fl[~is_dot], minlength=G)
-    # the equation a group's time is reported under: its dot, else its last reduction, else its last
-    # elementwise op, else its last equation (by_op_kind attributes a group to its dominant kind)
-    prio = {"matmul": 3, "reduction": 2, "elementwise": 1}
-    best = [-1] * G
-    rep = last.copy()
-    for i, g, k in zip(idx.tolist(), ga.tolist(), kinds):
-        p = prio.get(k, 0)
-        if p and p >= best[g] and not (p == 3 and best[g] == 3):
-            best[g] = p
-            rep[g] = i
-    dots = idx[is_dot].tolist()
-    dims = np.array([dot_dims(eqns[i]) for i in dots], dtype=np.float64).reshape(-1, 4)
-    f32 = np.array([eqns[i].inputs[0].dtype not in MATMUL_16BIT_DTYPES for i in dots], dtype=bool)
-    dot_flops = fl[is_dot]
-    work = (gbytes > 0) | (np.bincount(ga, weights=fl, minlength=G) > 0)
-    hand = len({g for g, i in zip(ga.tolist(), idx.tolist()) if tags[i]})
-    causal = np.zeros(G, dtype=np.int64)
-    head = np.zeros(G, dtype=np.int64)
-    for i, g, row in zip(dots, ga[is_dot].tolist(), dims.tolist()):
-        if tags[i].split("/", 1)[0] == FLASH_KERNEL:
-            s = int(score_len(row[1], row[2], row[3]))
-            causal[g] = max(causal[g], s)
-            head[g] = max(head[g], int(head_width(row[1], row[2], row[3], s)))
-    return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
-                      ga[is_dot], dot_flops, f32, dims, causal, head)
+__all__ = ["CHEAP", "DOT", "FLASH_KERNEL", "LOOP", "OP_PREFIX", "OPAQUE", "REDUCE", "FusionCache", "FusionPlan",
+           "fuse", "fusion_class", "hand_tag"]

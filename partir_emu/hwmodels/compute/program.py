@@ -162,4 +162,4 @@ def compute_times(pc: ProgramCosts, spec: HardwareSpec) -> np.ndarray:
     groups of ``spec.compiler`` priced by ``hwmodels.fusion`` (a group's time on its last equation, zero
     on its other equations). A spec without a ``[compiler]`` table prices every equation alone. A loop
     equation takes 0 here: its time is its body's (:func:`partir_emu.hwmodels.pricing.price`)."""
-    return eqn_times(pc.fusion.plan(spec.compiler), spec)
+    return eqn_times(pc.fusion.plan(spec.kernels), spec)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from partir_emu.core.analysis import Liveness, liveness
 from partir_emu.core.ir import Program, Var
 from partir_emu.hwmodels.compute.costs import nbytes_of
-from partir_emu.hwmodels.compute.fusion import CHEAP, LOOP, REDUCE, fusion_class
+from partir_emu.hwmodels.compute.fusion import CHEAP, LOOP, REDUCE, fusion_class, hand_tag
 from partir_emu.hwmodels.compute.stack import POLICIES
 
 MAX_ANCHORS = 8             # a chain that starts from more values than this is kept, not recomputed
@@ -51,14 +51,17 @@ def on_chip(program: Program, policy: str = "program") -> frozenset[int]:
         return frozenset()
     out: set[int] = set()
     readers: dict[int, set[str]] = {}
-    for e in program.eqns:
+    # a framework op's tag (``op.``) says how an eager stack launches kernels, not what it keeps:
+    # what it saves for the backward is the policy's (its internals are never lifetimes' business)
+    tags = [hand_tag(e.kernel, False) for e in program.eqns]
+    for e, t in zip(program.eqns, tags):
         for a in e.inputs:
             if type(a) is Var:
-                readers.setdefault(a.id, set()).add(e.kernel)
+                readers.setdefault(a.id, set()).add(t)
     outputs = {o.id for o in program.outputs if type(o) is Var}
-    for e in program.eqns:
-        if e.kernel:
-            out.update(o.id for o in e.outputs if o.id not in outputs and readers.get(o.id) == {e.kernel})
+    for e, t in zip(program.eqns, tags):
+        if t:
+            out.update(o.id for o in e.outputs if o.id not in outputs and readers.get(o.id) == {t})
     return frozenset(out)
 
 
@@ -73,7 +76,8 @@ def saved_liveness(program: Program, policy: str = "program") -> Liveness:
     end = len(eqns)
     classes = [fusion_class(e.prim) for e in eqns]
     elementwise = [c in (CHEAP, LOOP) for c in classes]
-    fusible = [c in (CHEAP, LOOP, REDUCE) and not e.kernel for c, e in zip(classes, eqns)]   # can recompute inline
+    fusible = [c in (CHEAP, LOOP, REDUCE) and not hand_tag(e.kernel, False)        # can recompute inline
+               for c, e in zip(classes, eqns)]
     producer: dict[int, int] = {}
     var: dict[int, Var] = {v.id: v for v in lv.initial}
     uses: dict[int, list[int]] = {}

@@ -30,6 +30,8 @@ What each field does to a prediction:
   (:mod:`.attention_kernels`) prices the whole ``flash_attention`` group instead: its FLOPs in the
   benchmark's convention (causal: half the full score work) over the rate at its score length and
   head dimension; on a chip the kernel was not measured on, the group is priced as above;
+- ``eager``: the stack runs op by op, each framework op its own kernel (PyTorch without
+  ``torch.compile``): the chip's ``[compiler]`` grouping is replaced by :mod:`.fusion`'s eager one;
 - ``saved_activations``: the lifetimes :func:`.residuals.saved_liveness` gives the memory profile;
 - ``reserved_bytes`` and ``allocator_overhead``: the memory the device needs beyond the profile's
   peak: ``needed = peak · (1 + allocator_overhead) + reserved_bytes``; a run fits if
@@ -44,13 +46,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels.compute.attention_kernels import AttentionKernel, list_kernels, load_kernel
-from partir_emu.hwmodels.compute.efficiency import check_fields
+from partir_emu.hwmodels.compute.efficiency import CompilerSpec, check_fields
 from partir_emu.limits import load_toml
 
 POLICIES = ("residuals", "kernel_inputs")     # what a stack keeps for the backward (.residuals)
@@ -63,7 +65,7 @@ _NARROW = frozenset({"bfloat16", "float16"})
 STACK_DIR = Path(__file__).parents[1] / "data" / "stacks"
 
 _KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", False),
-            "attention_kernel": (tuple(list_kernels()), False)}
+            "attention_kernel": (tuple(list_kernels()), False), "eager": ("bool", False)}
 _COMM = {"gradient_reduce_dtype": (REDUCE_DTYPES, True)}
 _MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
            "allocator_overhead": ("float", False)}
@@ -78,6 +80,7 @@ class StackSpec:
     attention_causal_skip: bool = False
     attention_block: int = 128
     attention_kernel: str = ""          # a measured kernel (.attention_kernels); "": priced as its GEMMs
+    eager: bool = False                 # each framework op its own kernel (.fusion, eager), no compiler
     saved_activations: str = "residuals"
     gradient_reduce_dtype: str = "as_traced"   # or "float32": 16-bit gradient reductions run in fp32
     reserved_bytes: float = 0.0
@@ -106,6 +109,13 @@ class StackSpec:
             return 2 * nbytes, "float32"
         return nbytes, dtype
 
+    def compiler(self, chip: CompilerSpec) -> CompilerSpec:
+        """How the chip's kernels are grouped under this stack: the chip's compiler, or eager
+        (:mod:`.fusion`): framework ops one kernel each, GEMMs through cuBLASLt with a bias epilogue."""
+        if not self.eager:
+            return chip
+        return replace(chip, loop_fusion=True, matmul_operand_fusion=False, matmul_epilogue="bias", eager=True)
+
     def needed_bytes(self, peak_bytes: float) -> float:
         """Device memory a run with this profile peak needs (allocator and reserved memory included)."""
         return peak_bytes * (1.0 + self.allocator_overhead) + self.reserved_bytes
@@ -113,7 +123,7 @@ class StackSpec:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description,
                 "attention_causal_skip": self.attention_causal_skip, "attention_block": self.attention_block,
-                "attention_kernel": self.attention_kernel,
+                "attention_kernel": self.attention_kernel, "eager": self.eager,
                 "saved_activations": self.saved_activations, "gradient_reduce_dtype": self.gradient_reduce_dtype,
                 "reserved_bytes": self.reserved_bytes,
                 "allocator_overhead": self.allocator_overhead, "path": self.path}

@@ -140,6 +140,11 @@ class HardwareSpec:
         return self if stack == self.stack else replace(self, stack=stack)
 
     @property
+    def kernels(self) -> CompilerSpec:
+        """How the program's equations become kernels on this chip under its stack (:mod:`.fusion`)."""
+        return self.stack.compiler(self.compiler)
+
+    @property
     def fits_bytes(self) -> float:
         """The largest profile peak that fits: HBM less what the stack needs beside the tensors."""
         st = self.stack
