@@ -19,7 +19,7 @@ def test_packaged_stacks_load_and_every_field_has_a_source():
         raw = tomllib.loads(path.read_text())
         st = load_stack(path.stem)
         assert st.name == path.stem == raw["name"]
-        for table in ("kernels", "comm", "memory"):
+        for table in ("kernels", "comm", "memory", "efficiency"):
             for key in raw.get(table, {}):
                 if not key.endswith("_source"):
                     assert len(raw[table][f"{key}_source"]) > 30, (path.name, key)
@@ -64,6 +64,9 @@ def _profile(**memory):
     (lambda d: d.update(optimizer={"fused": True}), "unknown field optimizer"),
     (lambda d: d["kernels"].update(flash=True), "unknown field kernels.flash"),
     (lambda d: d.update(name=""), "field name"),
+    (lambda d: d.update(efficiency={"compute_fraction": 1.5, "compute_fraction_source": "s"}),
+     "efficiency.compute_fraction must be"),
+    (lambda d: d.update(efficiency={"compute_fraction": 0.7}), "efficiency.compute_fraction_source is missing"),
 ])
 def test_bad_profiles_name_the_file_and_field(tmp_path, edit, words):
     d = _profile()
@@ -107,3 +110,29 @@ def test_gradient_reductions_run_in_fp32_only_over_the_data_axes():
     assert fsdp.wire("all_reduce", ("model",), 1000, "bfloat16") == (1000, "bfloat16")      # activations (TP)
     assert fsdp.wire("all_reduce", ("batch", "model"), 1000, "bfloat16") == (1000, "bfloat16")
     assert xla.wire("reduce_scatter", ("batch",), 1000, "bfloat16") == (1000, "bfloat16")
+
+
+def test_compute_fraction_divides_every_kernel_time_and_nothing_else():
+    """A stack's fitted ``compute_fraction`` f: each fused group's time is the modelled one over f
+    (GEMMs, vector and memory-bound kernels alike); communication is not compute and keeps its price."""
+    import dataclasses
+
+    import numpy as np
+
+    from partir_emu.core.ir import Eqn, Program, Var
+    from partir_emu.hwmodels.analytical import analyze
+    from partir_emu.hwmodels.compute.kernel_times import group_times
+
+    x, w, y, z = Var(0, (512, 512), "bfloat16"), Var(1, (512, 512), "bfloat16"), Var(2, (512, 512), "bfloat16"), \
+        Var(3, (512, 512), "bfloat16")
+    dn = (((1,), (0,)), ((), ()))
+    p = Program((x, w), ("x", "w"), (Eqn("dot_general", (x, w), (y,), {"dimension_numbers": dn}),
+                                     Eqn("tanh", (y,), (z,), {})), (z,), ("z",))
+    fsdp = load_stack("pytorch-fsdp")
+    assert 0 < fsdp.compute_fraction < 1 and dict(fsdp.sources)["efficiency.compute_fraction_source"].startswith("fit")
+    base = load_spec("h100").with_stack(dataclasses.replace(fsdp, compute_fraction=1.0))
+    half = base.with_stack(dataclasses.replace(fsdp, compute_fraction=0.5))
+    plan = analyze(p).fusion.plan(base.kernels)
+    t1, t2 = group_times(plan, base), group_times(plan, half)
+    launch = base.compiler.kernel_launch_s * plan.work
+    assert np.all(t1 > launch) and np.allclose(t2 - launch, 2 * (t1 - launch), rtol=1e-12)

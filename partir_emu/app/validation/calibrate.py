@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from partir_emu.app.programs import ProgramCache
@@ -28,6 +28,7 @@ from partir_emu.app.validation.fidelity import run_case
 from partir_emu.app.validation.fidelity_data import FidelityDataError, PublishedRun
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels.analytical import Analyzer
+from partir_emu.hwmodels.compute.stack import StackSpec
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 from partir_emu.limits import load_toml
 
@@ -52,9 +53,39 @@ def log_errors(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: Prog
 def fit_fraction(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> float:
     """The matmul fraction for which the median log step-time error of ``cases`` is zero (clamped to
     [LOW, HIGH]: a chip whose runs need more than its peak says so by hitting HIGH)."""
-    def median_error(f: float) -> float:
-        return statistics.median(log_errors(cases, with_matmul_fraction(spec, f), programs, analyzer))
+    return _zero_median(lambda f: statistics.median(log_errors(cases, with_matmul_fraction(spec, f), programs, analyzer)))
 
+
+def stack_source(stack: StackSpec) -> str:
+    """The ``compute_fraction_source`` of a stack profile ("" if it has none)."""
+    return dict(stack.sources).get("efficiency.compute_fraction_source", "")
+
+
+def is_fitted_stack(stack: StackSpec) -> bool:
+    """Does the stack profile say its compute fraction is a fit to published runs?"""
+    return stack_source(stack).lstrip().lower().startswith("fit")
+
+
+def fit_stack_fraction(cases: Sequence[PublishedRun], stack: StackSpec, programs: ProgramCache, analyzer: Analyzer,
+                       specs: Mapping[str, HardwareSpec] | None = None) -> float:
+    """The stack's ``compute_fraction`` for which the median log step-time error of its ``cases`` is
+    zero (each case on its chip's spec, ``specs[chip]`` where given: the chips' own fits first)."""
+    mine = [c for c in cases if c.stack == stack.name]
+    if not mine:
+        raise FidelityDataError(f"no case runs stack {stack.name!r} to fit its compute_fraction on")
+
+    def median_error(f: float) -> float:
+        st = dataclasses.replace(stack, compute_fraction=f)
+        errs = [math.log(r.predicted_step_s / r.measured_step_s)
+                for c in mine for r in [run_case(c, programs, analyzer, spec=(specs or {}).get(c.hardware), stack=st)]]
+        return statistics.median(errs)
+
+    return _zero_median(median_error)
+
+
+def _zero_median(median_error: Callable[[float], float]) -> float:
+    """Bisection for the fraction in [LOW, HIGH] where ``median_error`` (falling as the fraction grows:
+    more throughput, a faster step) is zero; clamped at the ends."""
     lo, hi = LOW, HIGH
     if median_error(hi) >= 0:
         return hi
@@ -128,4 +159,5 @@ def fraction_source(spec: HardwareSpec) -> str:
     return str(data.get("efficiency", {}).get("matmul_peak_fraction_source", ""))
 
 
-__all__ = ["Calibration", "calibrate", "fit_fraction", "fraction_source", "log_errors", "with_matmul_fraction"]
+__all__ = ["Calibration", "calibrate", "fit_fraction", "fit_stack_fraction", "fraction_source", "is_fitted_stack",
+           "log_errors", "stack_source", "with_matmul_fraction"]

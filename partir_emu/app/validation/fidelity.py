@@ -34,7 +34,7 @@ from partir_emu.app.validation.fidelity_data import CONVENTIONS, FidelityDataErr
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
-from partir_emu.hwmodels.compute.stack import load_stack
+from partir_emu.hwmodels.compute.stack import StackSpec, load_stack
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 
 # the targets of issue 10 over the required cases (tests/integration/test_fidelity.py pins them)
@@ -116,8 +116,8 @@ def explain(r: FidelityResult) -> str:
                   f"-> {'fits' if sim.fits else 'DOES NOT FIT (the run did run)'}",
               "  " + "  ".join(f"{k} {v / gib:.2f}" for k, v in sim.memory.items() if v),
               "", _stack_line(c.stack, c.hardware),
-              "not in the model yet: eager stacks' op-by-op kernels and per-layer CPU and launch overheads, "
-              "NCCL kernels slowing the compute they overlap (issue 23)"]
+              "not in the model yet: per-op CPU dispatch, NCCL kernels slowing the compute they overlap, FSDP's "
+              "copy-in/copy-out (a stack's fitted compute_fraction stands in for what they cost; issue 23)"]
     return "\n".join(lines)
 
 
@@ -129,14 +129,16 @@ def experiment(case: PublishedRun) -> Experiment:
 
 
 def run_case(case: PublishedRun, programs: ProgramCache, analyzer: Analyzer, *,
-             spec: HardwareSpec | None = None) -> FidelityResult:
+             spec: HardwareSpec | None = None, stack: StackSpec | None = None) -> FidelityResult:
     """Lower (or reuse) the case's program, simulate it with overlap on, convert to the case's metric.
-    ``spec`` replaces the case's hardware file (calibration tries variants of it). Any PartirError
-    (a --set key the scenario lacks, a mesh that does not fit) names the case."""
+    ``spec`` and ``stack`` replace the case's hardware file and stack profile (calibration tries
+    variants of them). Any PartirError (a --set key the scenario lacks, a mesh that does not fit)
+    names the case."""
     try:
         exp = experiment(case)
         spmd = programs.spmd(exp)
-        spec = (spec if spec is not None else analyzer.spec(case.hardware)).with_stack(load_stack(case.stack))
+        spec = (spec if spec is not None else analyzer.spec(case.hardware)).with_stack(
+            stack if stack is not None else load_stack(case.stack))
         checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
         model_flops = model_flops_per_device(exp)
         sim = simulate(spmd, spec, case.placement, overlap=True, model_flops=model_flops, analyzer=analyzer)
@@ -249,7 +251,10 @@ def _stack_line(name: str, hardware: str) -> str:
     return (f"stack {st.name}: causal flash blocks skipped: {'yes' if st.attention_causal_skip else 'no'}; attention "
             f"kernel: {kernel}; gradient reductions: {st.gradient_reduce_dtype.replace('_', ' ')}; saved for the "
             f"backward: {st.saved_activations}; memory beside the tensors: "
-            f"{st.reserved_bytes / 1e9:g} GB reserved + {100 * st.allocator_overhead:g}% of the peak for the allocator")
+            f"{st.reserved_bytes / 1e9:g} GB reserved + {100 * st.allocator_overhead:g}% of the peak for the allocator; "
+            f"kernels: {'one per framework op (eager)' if st.eager else 'as the chip compiler fuses them'}"
+            + ("" if st.compute_fraction == 1.0 else
+               f"; each at {st.compute_fraction:.3f} of its modelled rate (fitted: `fidelity --fits`)"))
 
 
 def _pct(x: float | None) -> str:

@@ -5,7 +5,9 @@ Every constant of the model that is *fitted* to the published runs, rather than 
 datasheet or a microbenchmark, is listed by :func:`fitted_constants` with the cases it was fitted
 on (``--fits``). Today these are the sustained matmul fractions of the chips whose spec says
 ``matmul_peakfraction_source = "fit: ..."`` (:mod:`.calibrate`: one number per chip, the median
-step-time error of the chip's cases zero).
+step-time error of the chip's cases zero) and the compute fractions of the stacks whose profile
+says ``compute_fraction_source = "fit: ..."`` (one number per stack, fitted after the chips'; a
+stack with no case left to fit on runs at the modelled rate, 1.0: the prior of an unseen stack).
 
 ``--holdout KEY`` splits the cases by ``KEY`` (the case's ``source_id``, ``hardware`` or ``stack``).
 For each group it refits every fitted constant on the *other* groups' cases only and predicts
@@ -17,15 +19,23 @@ out of sample and are reported as such (``None``), never with the in-sample valu
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partir_emu.app.programs import ProgramCache
-from partir_emu.app.validation.calibrate import fit_fraction, fraction_source, with_matmul_fraction
+from partir_emu.app.validation.calibrate import (
+    fit_fraction,
+    fit_stack_fraction,
+    fraction_source,
+    is_fitted_stack,
+    with_matmul_fraction,
+)
 from partir_emu.app.validation.fidelity import run_case
 from partir_emu.app.validation.fidelity_data import FidelityDataError, PublishedRun
 from partir_emu.hwmodels.analytical import Analyzer
+from partir_emu.hwmodels.compute.stack import StackSpec, load_stack
 
 HOLDOUT_KEYS = ("source", "chip", "stack")
 
@@ -67,13 +77,22 @@ def fitted_constants(cases: Sequence[PublishedRun], *, programs: ProgramCache | 
         spec = analyzer.spec(chip)
         out.append(FittedConstant(f"{chip} [efficiency] matmul_peak_fraction", spec.efficiency.matmul_peak_fraction,
                                   fit_fraction(mine, spec, programs, analyzer), tuple(c.case for c in mine)))
+    for stack in fitted_stacks(cases):
+        mine = [c for c in cases if c.stack == stack.name]
+        out.append(FittedConstant(f"stack {stack.name} [efficiency] compute_fraction", stack.compute_fraction,
+                                  fit_stack_fraction(mine, stack, programs, analyzer), tuple(c.case for c in mine)))
     return out
 
 
+def fitted_stacks(cases: Sequence[PublishedRun]) -> list[StackSpec]:
+    """The stack profiles of ``cases`` whose compute fraction is a fit."""
+    return [st for name in sorted({c.stack for c in cases}) if is_fitted_stack(st := load_stack(name))]
+
+
 def fits_table(consts: Sequence[FittedConstant]) -> str:
-    lines = [f"{'fitted constant':<42}{'spec':>8}{'refit':>8}  fitted on"]
+    lines = [f"{'fitted constant':<50}{'spec':>8}{'refit':>8}  fitted on"]
     for k in consts:
-        lines.append(f"{k.name:<42}{k.value:>8.3f}{k.refit:>8.3f}  {', '.join(k.cases)}")
+        lines.append(f"{k.name:<50}{k.value:>8.3f}{k.refit:>8.3f}  {', '.join(k.cases)}")
     lines.append("(every other constant of the hardware specs and stack profiles is sourced: `partir-emu hardware NAME`)")
     return "\n".join(lines)
 
@@ -84,6 +103,7 @@ class HeldOut:
     group: str
     fraction: float | None         # the refitted matmul fraction it was predicted with (None: not fitted)
     error_pct: float | None        # None: no fit possible without the held-out group
+    stack_fraction: float | None = None   # the refitted stack compute fraction (None: not fitted)
 
 
 @dataclass(frozen=True)
@@ -97,11 +117,12 @@ class HoldoutReport:
     def table(self) -> str:
         w = max([17, *(len(r.case.case) + 1 for r in self.rows)])
         lines = [f"--holdout {self.key}: each group predicted with constants fitted on the other groups only",
-                 f"{'case':<{w}}{'group':<36}{'fraction':>9}{'held-out error':>16}"]
+                 f"{'case':<{w}}{'group':<36}{'fraction':>9}{'stack':>7}{'held-out error':>16}"]
         for r in self.rows:
             frac = "-" if r.fraction is None else f"{r.fraction:.3f}"
+            sfrac = "-" if r.stack_fraction is None else f"{r.stack_fraction:.3f}"
             err = "no fit possible" if r.error_pct is None else f"{r.error_pct:+.1f}%"
-            lines.append(f"{r.case.case:<{w}}{r.group[:35]:<36}{frac:>9}{err:>16}")
+            lines.append(f"{r.case.case:<{w}}{r.group[:35]:<36}{frac:>9}{sfrac:>7}{err:>16}")
         errs = self.errors()
         if errs:
             lines.append(f"held out by {self.key}: median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}% "
@@ -111,7 +132,8 @@ class HoldoutReport:
     def to_json(self) -> dict:
         errs = self.errors()
         return {"holdout": self.key, "cases": [{"case": r.case.case, "group": r.group, "fraction": r.fraction,
-                                                "error_pct": r.error_pct} for r in self.rows],
+                                                "stack_fraction": r.stack_fraction, "error_pct": r.error_pct}
+                                               for r in self.rows],
                 "median_abs_error_pct": statistics.median(errs) if errs else None,
                 "max_abs_error_pct": max(errs) if errs else None}
 
@@ -123,13 +145,19 @@ def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache |
     analyzer = analyzer if analyzer is not None else Analyzer()
     groups = list(dict.fromkeys(group_of(c, key) for c in cases))
     fitted = {c.hardware for c in cases if is_fitted(c.hardware, analyzer)}
+    stacks = {st.name: st for st in fitted_stacks(cases)}
     rows: list[HeldOut] = []
     for g in groups:
         train = [c for c in cases if group_of(c, key) != g]
         fractions = {chip: fit_fraction(mine, analyzer.spec(chip), programs, analyzer)
                      for chip in sorted(fitted) if (mine := [c for c in train if c.hardware == chip])}
         prior = statistics.mean(fractions.values()) if fractions else None
-        for case in (c for c in cases if group_of(c, key) == g):
+        specs = {chip: with_matmul_fraction(analyzer.spec(chip), f) for chip, f in fractions.items()}
+        held = [c for c in cases if group_of(c, key) == g]
+        stack_fractions = {name: fit_stack_fraction(train, st, programs, analyzer, specs)
+                           for name, st in stacks.items()
+                           if any(c.stack == name for c in held) and any(c.stack == name for c in train)}
+        for case in held:
             spec = analyzer.spec(case.hardware)
             if case.hardware in fitted:
                 f = fractions.get(case.hardware, prior)
@@ -139,11 +167,15 @@ def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache |
                 spec = with_matmul_fraction(spec, f)
             else:
                 f = None
-            r = run_case(case, programs, analyzer, spec=spec)
-            rows.append(HeldOut(case, g, f, r.error_pct))
+            stack, sf = None, None
+            if case.stack in stacks:      # refitted without the group; an unseen stack at the modelled rate
+                sf = stack_fractions.get(case.stack, 1.0)
+                stack = dataclasses.replace(stacks[case.stack], compute_fraction=sf)
+            r = run_case(case, programs, analyzer, spec=spec, stack=stack)
+            rows.append(HeldOut(case, g, f, r.error_pct, sf))
     order = {c.case: i for i, c in enumerate(cases)}
     return HoldoutReport(key, tuple(sorted(rows, key=lambda r: order[r.case.case])))
 
 
 __all__ = ["HOLDOUT_KEYS", "FittedConstant", "HeldOut", "HoldoutReport", "fits_table", "fitted_constants",
-           "group_of", "holdout", "is_fitted"]
+           "fitted_stacks", "group_of", "holdout", "is_fitted"]

@@ -44,6 +44,8 @@ def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
     t = np.maximum(mm + vec, mem)
     for g, seconds in measured.items():
         t[g] = seconds              # the kernel's measured time covers its softmax, its HBM traffic, all of it
+    if spec.stack.compute_fraction != 1.0:     # what the stack sustains of those rates (fitted, .stack)
+        t = t / spec.stack.compute_fraction
     launch = spec.compiler.kernel_launch_s
     if launch:
         t = t + launch * plan.work

@@ -33,6 +33,12 @@ What each field does to a prediction:
 - ``eager``: the stack runs op by op, each framework op its own kernel (PyTorch without
   ``torch.compile``): the chip's ``[compiler]`` grouping is replaced by :mod:`.fusion`'s eager one;
 - ``saved_activations``: the lifetimes :func:`.residuals.saved_liveness` gives the memory profile;
+- ``[efficiency] compute_fraction`` (optional, default 1): every kernel of the step takes
+  ``1 / compute_fraction`` times its modelled time. It is the one *fitted* number of a stack
+  (its ``_source`` starts with "fit", ``partir-emu fidelity --fits`` lists the runs it is fitted on
+  and ``--holdout`` refits it without the held-out runs): what the stack loses against the kernels'
+  measured rates that no mechanism here models (sustained clocks under load, NCCL kernels sharing
+  the SMs and HBM with the compute they overlap, allocator and launch stalls);
 - ``reserved_bytes`` and ``allocator_overhead``: the memory the device needs beyond the profile's
   peak: ``needed = peak · (1 + allocator_overhead) + reserved_bytes``; a run fits if
   ``needed <= hbm_bytes``.
@@ -69,6 +75,7 @@ _KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", 
 _COMM = {"gradient_reduce_dtype": (REDUCE_DTYPES, True)}
 _MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
            "allocator_overhead": ("float", False)}
+_EFFICIENCY = {"compute_fraction": ("fraction", True)}
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class StackSpec:
     gradient_reduce_dtype: str = "as_traced"   # or "float32": 16-bit gradient reductions run in fp32
     reserved_bytes: float = 0.0
     allocator_overhead: float = 0.0
+    compute_fraction: float = 1.0       # the share of the modelled kernel rates the stack sustains
     path: str = ""
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, hash=False)
 
@@ -126,7 +134,8 @@ class StackSpec:
                 "attention_kernel": self.attention_kernel, "eager": self.eager,
                 "saved_activations": self.saved_activations, "gradient_reduce_dtype": self.gradient_reduce_dtype,
                 "reserved_bytes": self.reserved_bytes,
-                "allocator_overhead": self.allocator_overhead, "path": self.path}
+                "allocator_overhead": self.allocator_overhead, "compute_fraction": self.compute_fraction,
+                "path": self.path}
 
 
 XLA = StackSpec()
@@ -157,22 +166,23 @@ def stack_from_dict(data: Any, where: str = "<dict>") -> StackSpec:
     """Validate a stack profile (every field needs its ``_source``; unknown fields are errors)."""
     if not isinstance(data, dict):
         raise SpecError(f"{where}: a stack profile is a TOML table")
-    unknown = sorted(set(data) - {"name", "description", "kernels", "comm", "memory"})
+    unknown = sorted(set(data) - {"name", "description", "kernels", "comm", "memory", "efficiency"})
     if unknown:
         raise SpecError(f"{where}: unknown field {unknown[0]}; a stack profile has name, description, "
-                        f"[kernels], [comm] and [memory]")
+                        f"[kernels], [comm], [memory] and [efficiency]")
     name = data.get("name")
     if not isinstance(name, str) or not name.strip() or len(name) > 64:
         raise SpecError(f"{where}: field name must be a non-empty string of at most 64 characters")
     kernels = check_fields(data.get("kernels", {}), _KERNELS, where, "kernels")
     memory = check_fields(data.get("memory", {}), _MEMORY, where, "memory")
     comm = check_fields(data["comm"], _COMM, where, "comm") if "comm" in data else {}
+    efficiency = check_fields(data["efficiency"], _EFFICIENCY, where, "efficiency") if "efficiency" in data else {}
     if memory.get("allocator_overhead", 0.0) > 0.5:
         raise SpecError(f"{where}: field memory.allocator_overhead = {memory['allocator_overhead']:g} is above 0.5; "
                         f"it is a fraction of the peak (0.05 = 5 %)")
     if memory.get("reserved_bytes", 0.0) > 2 ** 40:
         raise SpecError(f"{where}: field memory.reserved_bytes = {memory['reserved_bytes']:g} is above 1 TiB per device")
-    sources = tuple(sorted((f"{t}.{k}", str(v)) for t in ("kernels", "comm", "memory")
+    sources = tuple(sorted((f"{t}.{k}", str(v)) for t in ("kernels", "comm", "memory", "efficiency")
                            for k, v in data.get(t, {}).items() if k.endswith("_source")))
     return StackSpec(name=name, description=str(data.get("description", "")), path=where, sources=sources,
-                     **kernels, **comm, **memory)
+                     **kernels, **comm, **memory, **efficiency)
