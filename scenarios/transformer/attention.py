@@ -33,6 +33,10 @@ import numpy as np
 from scenarios.precision import as_dtype, wide
 
 KERNEL_SCOPE = "kernel:flash_attention"
+# the checkpoint_name of what remat=op keeps (scenarios.transformer.model.EverySecondDot): the flash
+# kernel's own saved outputs, o and the log-sum-exp, as PyTorch's SDPA keeps them under torchtitan's
+# per-op selective checkpointing (an identity anywhere else)
+SAVED = "op_saved"
 _MASKED = np.float32(-1e9)
 
 
@@ -84,6 +88,7 @@ def naive_attention(q, k, v):
 def _flash_forward(q, k, v):
     import jax
     import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
 
     with jax.named_scope(KERNEL_SCOPE):
         groups = q.shape[2] // k.shape[2]
@@ -93,6 +98,7 @@ def _flash_forward(q, k, v):
         lse = m + jnp.log(jnp.sum(jnp.exp(s - m), axis=-1, keepdims=True))        # [b, h, s, 1]
         p = jnp.exp(s - lse)
         o = jnp.einsum("bhqk,bkhd->bqhd", as_dtype(p, v.dtype), vv)
+        o, lse = checkpoint_name(o, SAVED), checkpoint_name(lse, SAVED)
     return o, (q, k, v, o, lse)
 
 
@@ -136,4 +142,4 @@ def flash_attention(q, k, v):
 
 ATTENTION = {"naive": naive_attention, "flash": flash_attention}
 
-__all__ = ["ATTENTION", "KERNEL_SCOPE", "flash_attention", "naive_attention"]
+__all__ = ["ATTENTION", "KERNEL_SCOPE", "SAVED", "flash_attention", "naive_attention"]

@@ -18,7 +18,7 @@ import numpy as np
 from scenarios.common import Config
 from scenarios.precision import as_dtype, compute_dtype, wide
 from scenarios.training import train_step
-from scenarios.transformer.attention import ATTENTION
+from scenarios.transformer.attention import ATTENTION, SAVED  # SAVED: what remat=op keeps
 
 EPS = 1e-5
 
@@ -72,46 +72,75 @@ def norm(x, p: dict, kind: str, dtype):
         return as_dtype(y, dtype)
 
 
-def dense(x, p: dict, w: str, b: str | None = None):
+
+
+class EverySecondDot:
+    """remat=op, torchtitan's per-op selective activation checkpointing (``selective_ac_option = 'op'``,
+    torchtitan/parallelisms/parallelize_llama.py @ 1ea476e, 2024-04): in each layer the outputs of the
+    1st, 3rd, 5th, ... matmul in forward order are saved and every second one recomputed, the
+    attention core's outputs are saved (SDPA is on its no-recompute list), and every other op
+    (norms, activations, residual adds, RoPE) is recomputed. One instance per layer call counts its
+    dots; each is named before its bias (torchtitan's models have none: ``aten.mm``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, y):
+        from jax.ad_checkpoint import checkpoint_name
+
+        self.count += 1
+        return checkpoint_name(y, SAVED) if self.count % 2 == 1 else y
+
+
+def dense(x, p: dict, w: str, b: str | None = None, sac: EverySecondDot | None = None):
     """``x @ p[w] (+ p[b] when the config has that bias)``, the parameters cast to ``x``'s dtype."""
     y = x @ as_dtype(p[w], x.dtype)
+    if sac is not None:
+        y = sac(y)
     return y + as_dtype(p[b], x.dtype) if b is not None and b in p else y
 
 
-def attention(x, p: dict, cfg: Config):
+def attention(x, p: dict, cfg: Config, sac: EverySecondDot | None = None):
     b, s, _ = x.shape
     heads, kv, dh = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    q = dense(x, p, "w_q", "b_q").reshape(b, s, heads, dh)
-    k = dense(x, p, "w_k").reshape(b, s, kv, dh)             # no key bias (see scenarios.transformer.scenario)
-    v = dense(x, p, "w_v", "b_v").reshape(b, s, kv, dh)
+    q = dense(x, p, "w_q", "b_q", sac).reshape(b, s, heads, dh)
+    k = dense(x, p, "w_k", None, sac).reshape(b, s, kv, dh)    # no key bias (see scenarios.transformer.scenario)
+    v = dense(x, p, "w_v", "b_v", sac).reshape(b, s, kv, dh)
     core = ATTENTION[cfg["attention"]]
     if str(cfg.get("remat", 0)) == "selective":
         # Korthikanti et al. 2022 (arXiv 2205.05198 sec. 4.2) selective recomputation: only the attention
         # core (q·kᵀ, softmax, p·v) is recomputed in the backward pass; the projections' outputs are kept
         import jax
         core = jax.checkpoint(core)
-    out = core(q, k, v).reshape(b, s, heads * dh)
-    return dense(out, p, "w_o", "b_o")
+    out = core(q, k, v)
+    if sac is not None:
+        from jax.ad_checkpoint import checkpoint_name
+        out = checkpoint_name(out, SAVED)
+    return dense(out.reshape(b, s, heads * dh), p, "w_o", "b_o", sac)
 
 
-def mlp(x, p: dict, kind: str):
+def mlp(x, p: dict, kind: str, sac: EverySecondDot | None = None):
     if kind == "swiglu":
-        return dense(silu(dense(x, p, "w_gate", "b_gate")) * dense(x, p, "w_up", "b_up"), p, "w_down", "b_down")
+        gate = silu(dense(x, p, "w_gate", "b_gate", sac))
+        return dense(gate * dense(x, p, "w_up", "b_up", sac), p, "w_down", "b_down", sac)
     act = gelu if kind == "gelu" else relu
-    return dense(act(dense(x, p, "w_in", "b_in")), p, "w_out", "b_out")
+    return dense(act(dense(x, p, "w_in", "b_in", sac)), p, "w_out", "b_out", sac)
 
 
 def make_block(cfg: Config):
     """One layer ``(x, params/layer_i) -> x``: serial (pre-norm GPT) or parallel (PaLM)."""
     dtype, nk, mk = compute_dtype(cfg), cfg["norm"], cfg["mlp"]
+    op_sac = str(cfg.get("remat", 0)) == "op"
 
     def serial(x, p):
-        x = x + attention(norm(x, p["ln1"], nk, dtype), p["attn"], cfg)
-        return x + mlp(norm(x, p["ln2"], nk, dtype), p["mlp"], mk)
+        sac = EverySecondDot() if op_sac else None
+        x = x + attention(norm(x, p["ln1"], nk, dtype), p["attn"], cfg, sac)
+        return x + mlp(norm(x, p["ln2"], nk, dtype), p["mlp"], mk, sac)
 
     def parallel(x, p):
+        sac = EverySecondDot() if op_sac else None
         h = norm(x, p["ln1"], nk, dtype)
-        return x + attention(h, p["attn"], cfg) + mlp(h, p["mlp"], mk)
+        return x + attention(h, p["attn"], cfg, sac) + mlp(h, p["mlp"], mk, sac)
 
     return parallel if cfg["block"] == "parallel" else serial
 
@@ -132,6 +161,8 @@ def make_loss(cfg: Config):
         block = jax.checkpoint(block, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
     elif remat == "dots":
         block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)   # every dot's output kept
+    elif remat == "op":
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.save_only_these_names(SAVED))
 
     def loss_fn(params, batch):
         emb = params["embed"]

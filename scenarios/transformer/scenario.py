@@ -34,12 +34,15 @@ kv_heads       int (heads)                 K key/value heads: 1 multi-query, < H
                                            must divide heads
 d_ff           int                         MLP width f
 layers, vocab  int                         L, V
-remat          0|1|full|selective|minimal|dots (0)
+remat          0|1|full|selective|minimal|dots|op (0)
                                            what the backward pass recomputes: 0 nothing; 1 = full
                                            each layer (jax.checkpoint); selective only the attention
                                            core (Korthikanti et al. 2022); minimal the layer but the
                                            outputs of dots without batch dims (MaxText's
                                            remat_policy=minimal); dots the layer but every dot output
+                                           (jax's dots_saveable); op the layer but every other dot's
+                                           output and the attention core's (torchtitan's per-op
+                                           selective AC, ``model.EverySecondDot``)
 microbatches   int (1)                     gradient accumulation: K forward/backward passes over
                                            batch/K rows each (one ``lax.scan``), gradients summed,
                                            one Adam step (``scenarios.training.train_step``)
@@ -129,7 +132,7 @@ from scenarios.transformer import model as transformer_model
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
               "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as")
 CHOICES: dict[str, tuple[str, ...]] = {
-    "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots"),
+    "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots", "op"),
     "precision": ("f32", "bf16"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
     "norm": ("layernorm", "rmsnorm"), "bias": ("mlp", "0", "1"), "attention": ("naive", "flash"),
 }

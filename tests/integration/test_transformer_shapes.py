@@ -36,7 +36,7 @@ BASE = dict(batch=4, seq=8, layers=1)            # tiny: d_model 16, heads 4, d_
 SINGLES = [dict(head_dim=8), dict(kv_heads=2), dict(kv_heads=1), dict(mlp="relu"), dict(mlp="swiglu"),
            dict(block="parallel"), dict(tied=1), dict(norm="rmsnorm"), dict(bias="0"), dict(bias="1"),
            dict(attention="flash"), dict(remat="selective"), dict(remat="minimal"), dict(remat="dots"),
-           dict(remat="selective", attention="flash")]
+           dict(remat="selective", attention="flash"), dict(remat="op"), dict(remat="op", attention="flash", mlp="swiglu")]
 FACTORS = {"kv_heads": [4, 2, 1], "mlp": ["gelu", "relu", "swiglu"], "bias": ["mlp", "0", "1"],
            "head_dim": [4, 8], "block": ["serial", "parallel"], "tied": [0, 1],
            "norm": ["layernorm", "rmsnorm"], "attention": ["naive", "flash"], "remat": [0, 1]}
@@ -321,8 +321,20 @@ def test_recompute_policies_recompute_what_they_say():
     elementwise work is recomputed) <= selective (the attention core's two dots again) <= minimal (the
     dots with batch dimensions, i.e. attention's, again) < full (every forward dot again)."""
     flops = {}
-    for remat in ("0", "dots", "selective", "minimal", "1"):
+    for remat in ("0", "dots", "op", "selective", "minimal", "1"):
         exp = Experiment("transformer", "bp", Mesh(batch=1), "tiny", dict(BASE, layers=2, remat=remat))
         prog = exp.program
         flops[remat] = sum(dot_general_cost(e)[0] for e in prog.eqns if e.prim == "dot_general")
     assert flops["0"] == flops["dots"] < flops["selective"] <= flops["minimal"] < flops["1"], flops
+    # op (torchtitan's per-op SAC) with a flash core: of a layer's six dots q, k, v, o, in, out the
+    # 2nd, 4th and 6th are not kept and the kernel keeps its output and log-sum-exp (no second flash
+    # forward); the backward needs k again (the kernel's input) and o's output (the residual sum the
+    # second norm's backward reads), not out's (the next layer's input is kept): what is recomputed
+    # is the k and o projections, 2·tokens·d·(kv_heads + heads)·head_dim FLOPs per layer
+    def dot_flops(remat):
+        exp = Experiment("transformer", "bp", Mesh(batch=1), "tiny",
+                         dict(BASE, layers=2, remat=remat, attention="flash"))
+        return exp.cfg, sum(dot_general_cost(e)[0] for e in exp.program.eqns if e.prim == "dot_general")
+    (cfg, none), (_, op) = dot_flops("0"), dot_flops("op")
+    k_and_o = 2 * cfg["batch"] * cfg["seq"] * cfg["d_model"] * (cfg["kv_heads"] + cfg["heads"]) * cfg["head_dim"]
+    assert op - none == cfg["layers"] * k_and_o, (op, none)

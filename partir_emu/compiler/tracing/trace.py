@@ -39,6 +39,10 @@ _CALL_PARAMS = {
     "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr", "custom_lin": None,
 }
 
+# Identities that only tell jax something (``checkpoint_name``: which values a remat policy saves,
+# decided by jax before we see the jaxpr): their output is their input.
+_IDENTITY = frozenset({"name"})
+
 # Parameters that carry no meaning for us (layout, sharding hints, jaxprs of
 # reductions whose kind is in the primitive name). Dropped during normalization.
 # Control flow (see trace_loops: scan as one loop equation, cond as a select over its branches).
@@ -174,6 +178,9 @@ class _Builder:
                 self.call_sites.pop()
                 for ov, o in zip(e.outvars, results):
                     env[ov] = o
+                continue
+            if name in _IDENTITY:
+                env.update(zip(e.outvars, ins))
                 continue
             if name in _CONTROL:
                 where = _where(e) or outer
