@@ -361,6 +361,25 @@ def test_every_published_run_is_predicted_to_fit(required_report):
     assert tp == NEEDS_EMBED_SHARDING        # every MaxText TP run, and no other case
 
 
+@pytest.mark.slow
+def test_a_reported_out_of_memory_is_predicted():
+    """torchtitan's performance.md (@ 1ea476e, footnote 1): Llama 2 70B on 64 A100 with selective
+    (per-op) checkpointing ran at local batch 1 because local batch 2 ran out of memory. The model
+    says the same: the published run fits, the same run at local batch 2 does not."""
+    import dataclasses
+
+    from partir_emu.app.validation.fidelity import run_case
+    from partir_emu.hwmodels.analytical import Analyzer
+
+    ran = next(c for c in load_cases() if c.case == "torchtitan-l2-70b-op-a100")
+    assert dict(ran.set)["batch"] == ran.chips and "out of memory" in ran.source
+    doubled = dataclasses.replace(ran, case="l2-70b-op-local-batch-2", global_batch=2 * ran.global_batch,
+                                  set=tuple({**dict(ran.set), "batch": 2 * ran.global_batch}.items()))
+    programs, analyzer = ProgramCache(), Analyzer()
+    assert run_case(ran, programs, analyzer).sim.fits
+    assert not run_case(doubled, programs, analyzer).sim.fits
+
+
 # -- out of sample by construction: --holdout and --fits ----------------------------------------------
 def _two_sources(tmp_path, first_measured: float, second_measured: float | None = None) -> str:
     second_measured = first_measured if second_measured is None else second_measured
