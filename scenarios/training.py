@@ -94,6 +94,15 @@ def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False, microbatche
 
     return step
 
+def op_scope(name: str):
+    """``jax.named_scope("kernel:op.NAME")``: the equations inside are one framework op (PyTorch's
+    ``F.layer_norm``, ``F.gelu``, a fused Adam step, ...), one kernel under an eager stack
+    (``hwmodels.compute.fusion``); XLA stacks ignore the tag. It never changes what is computed."""
+    import jax
+
+    return jax.named_scope(f"kernel:op.{name}")
+
+
 def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8) -> tuple[Any, dict]:
     """One Adam step with bias correction. Returns ``(new_params, new_state)``."""
@@ -101,7 +110,7 @@ def adam_update(grads: Any, state: dict, params: Any, *, lr: float = 1e-3, b1: f
     import jax.numpy as jnp
 
     # one framework op (PyTorch's fused / multi-tensor Adam step): one kernel under an eager stack
-    with jax.named_scope("kernel:op.adam"):
+    with op_scope("adam"):
         count = state["count"] + jnp.int32(1)
         t = count.astype(jnp.float32)
         # b ** t written as exp(t * log b): only exp and mul, no pow.

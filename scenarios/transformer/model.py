@@ -17,19 +17,10 @@ import numpy as np
 
 from scenarios.common import Config
 from scenarios.precision import as_dtype, compute_dtype, wide
-from scenarios.training import train_step
+from scenarios.training import op_scope, train_step
 from scenarios.transformer.attention import ATTENTION, SAVED  # SAVED: what remat=op keeps
 
 EPS = 1e-5
-
-
-def op_scope(name: str):
-    """``jax.named_scope("kernel:op.NAME")``: the equations inside are one framework op (PyTorch's
-    ``F.layer_norm``, ``F.gelu``, ...), one kernel under an eager stack (``hwmodels.compute.fusion``);
-    XLA stacks ignore the tag. It never changes what is computed."""
-    import jax
-
-    return jax.named_scope(f"kernel:op.{name}")
 
 
 def gelu(x):

@@ -92,14 +92,13 @@ def _zero_median(median_error: Callable[[float], float]) -> float:
     step that would leave the bracket bisects it instead. Each evaluation prices every case anew, so
     this takes 3-4 of them where bisection took 13. Stops when the error is below 1e-7 (a step time
     to 1e-7 relative) or the bracket is TOLERANCE wide in f."""
-    x_hi, x_lo = 0.0, math.log(LOW)
-    assert HIGH == 1.0                  # x_hi = log HIGH
+    x_hi, x_lo = math.log(HIGH), math.log(LOW)
     g_hi = median_error(HIGH)
     if g_hi >= 0:
         return HIGH
     g_lo: float | None = None           # not evaluated yet: LOW is priced only if the search gets there
     x_prev, g_prev = x_hi, g_hi
-    x = max(x_lo, g_hi)
+    x = max(x_lo, x_hi + g_hi)
     for _ in range(64):
         g = median_error(math.exp(x))
         if abs(g) < 1e-7:

@@ -94,7 +94,7 @@ def body_clusters(body: Program, origin: Sequence[int], cone: frozenset[int]) ->
     last producer of a primal output would put the whole body in the forward pass). None when the
     body reads gathered values in one pass only: a forward layer, or a backward layer whose recompute
     and gradient share their gathers (as an FSDP unit's backward does)."""
-    gathered = _Remat(body, [0] * len(body.eqns)).deferred
+    _, gathered = gathered_chains(body)
     readers = [j for j, e in enumerate(body.eqns)
                if not (e.outputs and e.outputs[0] in gathered) and any(a in gathered for a in e.inputs if isinstance(a, Var))]
     forward = [origin[j] for j in readers if origin[j] in cone]
@@ -165,30 +165,36 @@ def rematerialise_gathers(program: Program, clusters: Sequence[Hashable]) -> Pro
     return _Remat(program, clusters).run()
 
 
+def gathered_chains(program: Program) -> tuple[dict[Var, Eqn], set[Var]]:
+    """The rematerialisable values' producers (module docstring, *gather chains*) and the values that
+    are emitted per use cluster: each gathered value and the chain values it is made from."""
+    producer: dict[Var, Eqn] = {}
+    gathered: set[Var] = set()           # values of gathered chains
+    remat: set[Var] = set(program.inputs) | {v for v, _ in program.consts}
+    for e in program.eqns:
+        vs = [a for a in e.inputs if isinstance(a, Var)]
+        if e.prim in CHAIN_PRIMS and len(e.outputs) == 1 and vs and all(a in remat for a in vs):
+            (o,) = e.outputs
+            remat.add(o)
+            producer[o] = e
+            if e.prim == "all_gather" or any(a in gathered for a in vs):
+                gathered.add(o)
+    deferred: set[Var] = set()
+    stack = list(gathered)
+    while stack:
+        v = stack.pop()
+        if v in producer and v not in deferred:
+            deferred.add(v)
+            stack += [a for a in producer[v].inputs if isinstance(a, Var)]
+    return producer, deferred
+
+
 class _Remat:
     def __init__(self, program: Program, clusters: Sequence[Hashable]) -> None:
         assert len(clusters) == len(program.eqns)
         self.p, self.clusters = program, clusters
         self.next_id = program.next_id()
-        self.producer: dict[Var, Eqn] = {}
-        gathered: set[Var] = set()           # values of gathered chains
-        remat: set[Var] = set(program.inputs) | {v for v, _ in program.consts}
-        for e in program.eqns:
-            vs = [a for a in e.inputs if isinstance(a, Var)]
-            if e.prim in CHAIN_PRIMS and len(e.outputs) == 1 and vs and all(a in remat for a in vs):
-                (o,) = e.outputs
-                remat.add(o)
-                self.producer[o] = e
-                if e.prim == "all_gather" or any(a in gathered for a in vs):
-                    gathered.add(o)
-        # a gathered value and the chain values it is made from are emitted per cluster
-        self.deferred: set[Var] = set()
-        stack = list(gathered)
-        while stack:
-            v = stack.pop()
-            if v in self.producer and v not in self.deferred:
-                self.deferred.add(v)
-                stack += [a for a in self.producer[v].inputs if isinstance(a, Var)]
+        self.producer, self.deferred = gathered_chains(program)
         self.memo: dict[tuple[Var, Hashable], Var] = {}
         self.copied: set[Var] = set()        # deferred values emitted at least once
         self.eqns: list[Eqn] = []
