@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -71,6 +72,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     path = getattr(config, "_partir_emu_jax_cache", None)
     if path:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def default_signals(argv: list[str]) -> list[str]:
+    """``argv`` run with SIGINT, SIGTERM and SIGHUP at their defaults, for a test that signals it: a
+    suite started under ``nohup`` (SIGHUP ignored) or as a script's background job (SIGINT
+    ignored) hands those dispositions down, and partir-emu rightly keeps a signal ignored that
+    its parent ignored (:data:`partir_emu.mpi.interrupts.IGNORED_AT_START`). The shim execs, so
+    the pid is ``argv``'s own."""
+    shim = ("import os, signal, sys\n"
+            "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+            "    signal.signal(s, signal.SIG_DFL)\n"
+            "os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-c", shim, *map(str, argv)]
 
 
 def wall(seconds: float) -> float:

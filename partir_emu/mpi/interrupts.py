@@ -22,6 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A stop signal the parent made us ignore stays ignored, as Python itself does for SIGINT: under
+# ``nohup`` SIGHUP is SIG_IGN, and a background job of a script (``cmd &``) ignores SIGINT. (The
+# console script leaves these ignored too, :mod:`partir_emu.app.cli.entry`, so at import they still are.)
+IGNORED_AT_START: frozenset[int] = frozenset(int(s) for s in STOP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -78,10 +82,11 @@ def _in_main_thread() -> bool:
 
 
 def install(handler: Callable[[int, Any], None] | signal.Handlers) -> dict[int, Any]:
-    """Set ``handler`` for every stop signal (main thread only); the previous handlers."""
+    """Set ``handler`` for every stop signal not ignored since the start (main thread only); the
+    previous handlers."""
     if not _in_main_thread():
         return {}
-    return {int(s): signal.signal(s, handler) for s in STOP_SIGNALS}
+    return {int(s): signal.signal(s, handler) for s in STOP_SIGNALS if int(s) not in IGNORED_AT_START}
 
 
 def restore(previous: dict[int, Any]) -> None:

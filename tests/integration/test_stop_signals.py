@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import wall
+from tests.conftest import default_signals, wall
 
 pytestmark = [pytest.mark.wallclock, pytest.mark.xdist_group("stop_signals")]
 
@@ -73,7 +73,7 @@ def _caught(pid: int) -> set[int]:
 @pytest.mark.parametrize("sig, delay", MOMENTS, ids=[f"{s.name}+{d}s" for s, d in MOMENTS])
 def test_a_stop_signal_stops_the_command(command, sig, delay, tmp_path, trace):
     argv = [part.format(trace=trace) for part in COMMANDS[command].split()]
-    proc = subprocess.Popen([str(EXE), *argv], cwd=tmp_path, env=dict(os.environ),
+    proc = subprocess.Popen(default_signals([str(EXE), *argv]), cwd=tmp_path, env=dict(os.environ),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + wall(20)
@@ -96,3 +96,32 @@ def test_a_stop_signal_stops_the_command(command, sig, delay, tmp_path, trace):
     assert "Traceback" not in err
     assert stop_s <= wall(1.0), f"stopped {stop_s:.2f} s after {sig.name}"
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "a stopped command left a file behind"
+
+
+def test_a_signal_ignored_by_the_parent_stays_ignored(tmp_path):
+    """Under ``nohup`` (SIGHUP ignored, inherited across exec) the command neither catches SIGHUP
+    nor stops on it; SIGINT and SIGTERM it still takes. (Python does the same for an ignored SIGINT.)"""
+    shim = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "os.execv(sys.argv[1], sys.argv[1:])")
+    argv = COMMANDS["simulate"].split()
+    proc = subprocess.Popen(default_signals([sys.executable, "-c", shim, str(EXE), *argv]), cwd=tmp_path,
+                            env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + wall(20)
+        while not {int(signal.SIGINT), int(signal.SIGTERM)} <= _caught(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "the console script never took the signals"
+            time.sleep(0.005)
+        time.sleep(0.5)                        # past the imports: the CLI's own handlers are in
+        assert int(signal.SIGHUP) not in _caught(proc.pid)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        assert proc.poll() is None, "an ignored SIGHUP stopped the command"
+        assert int(signal.SIGHUP) not in _caught(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=wall(10))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])

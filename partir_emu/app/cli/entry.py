@@ -5,6 +5,8 @@ a Ctrl-C in that window used to end in a Python traceback. Here SIGINT, SIGTERM 
 taken first, with only the standard library loaded: until :func:`partir_emu.app.cli.main.main`
 installs its own handlers nothing has been written or started, so a stop is one line and exit
 128 + N at once. (The interpreter's own start, before this module runs, keeps Python's defaults.)
+A signal that is ignored as the process starts (SIGHUP under ``nohup``, SIGINT in a script's
+background job) is left ignored, here and later: the parent asked for that.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def _stopped_while_starting(signum: int, frame: Any) -> None:
 
 def main() -> int:
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _stopped_while_starting)
+        if signal.getsignal(s) != signal.SIG_IGN:
+            signal.signal(s, _stopped_while_starting)
     from partir_emu.app.cli.main import main as run  # here, not at the top: the handlers above come first
     return run()
 
