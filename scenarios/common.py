@@ -166,10 +166,15 @@ class Scenario:
         return resolve_size(self, preset or self.default_preset, overrides)
 
     def strategy(self, name: str, mesh: Mesh, cfg: Config | None = None) -> list[ManualPartition]:
-        if name not in self.strategies:
+        fn = self.strategies.get(name)
+        compose = getattr(self.strategies, "compose", None)     # scenarios.strategies.Strategies
+        if fn is None and compose is not None and "@" in name:
+            fn = compose(name)
+        if fn is None:
             raise ScenarioError(f"scenario {self.name!r} has no strategy {name!r}; "
-                                f"its strategies are {sorted(self.strategies)}")
-        return self.strategies[name](mesh, cfg)
+                                f"its strategies are {sorted(self.strategies)}"
+                                + ("; ZeRO over some data axes only is z3@AXIS (bp+z3@fsdp)" if compose else ""))
+        return fn(mesh, cfg)
 
     def carries(self, name: str, mesh: Mesh, cfg: Config | None = None) -> bool:
         """Whether strategy ``name`` builds on ``mesh``: the mesh has every axis it acts on."""

@@ -60,7 +60,8 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
                    param_shapes: Callable[[Config], dict], batch_patterns: Sequence[str] = ("batch/*",),
                    batch_size: Callable[[Config], int] = lambda c: c["batch"],
                    check_mp: Callable[[Config, int], None] | None = None) -> list[ManualPartition]:
-    """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``emb``, ``z2``, ``z3`` joined by ``+``.
+    """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``emb``, ``z2``, ``z3`` joined by ``+``
+    (``z2@AXES``/``z3@AXES``: ZeRO over those data axes only, replicated over the others).
 
     Tactic order: bp (one per data axis), then mp and emb (on ``model``), then z2/z3
     (one per data axis).
@@ -83,7 +84,7 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     ``kinds`` may be a function ``(cfg, model axis size) -> kinds`` when which parameters exist,
     and which of them Megatron shards, depend on the config (``cfg=None``: the static defaults).
     """
-    parts = name.split("+")
+    parts, zero_axes = _zero_axes(name, mesh)
     unknown = [p for p in parts if p not in ("bp", "mp", "emb", "z2", "z3", "auto")]
     if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
             or ("auto" in parts and ("mp" in parts or "emb" in parts)):
@@ -131,15 +132,34 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
                                           hardware="tpu-v4"))
 
     if zero is not None:
-        tactics += _zero_tactics(zero, mesh, kinds, shapes, tiled, use_mp, use_emb)
+        tactics += _zero_tactics(zero, mesh, kinds, shapes, tiled, use_mp, use_emb, zero_axes)
     return tactics
 
 
+def _zero_axes(name: str, mesh: Mesh) -> tuple[list[str], list[str] | None]:
+    """``name``'s parts with any ``@AXES`` of ``z2``/``z3`` taken off, and those axes (None: every data
+    axis). ``z3@fsdp`` shards the state over ``fsdp`` only and keeps it replicated over the other data
+    axes (PyTorch's hybrid sharding, MaxText's FSDP inside a slice and data parallelism across)."""
+    parts, axes = [], None
+    for part in name.split("+"):
+        head, at, rest = part.partition("@")
+        if at and head in ("z2", "z3"):
+            axes = [a for a in rest.split(",") if a]
+            bad = [a for a in axes if a not in data_axes(mesh)]
+            if not axes or bad:
+                raise ScenarioError(f"strategy {name!r}: {head}@{rest} names {bad or 'no axis'}, not data axes of "
+                                    f"{mesh}; write {head}@AXIS with axes among {data_axes(mesh)}")
+        parts.append(head if at and head in ("z2", "z3") else part)
+    return parts, axes
+
+
 def _zero_tactics(zero: str, mesh: Mesh, kinds: Sequence[ParamKind], shapes: dict | None,
-                  tiled: dict[str, dict[int, int]], use_mp: bool, use_emb: bool) -> list[ManualPartition]:
-    """ZeRO-2/3's tactics, one per data axis (see :func:`build_strategy`); ``tiled`` is updated."""
+                  tiled: dict[str, dict[int, int]], use_mp: bool, use_emb: bool,
+                  axes: Sequence[str] | None = None) -> list[ManualPartition]:
+    """ZeRO-2/3's tactics, one per data axis (or per axis of ``axes``, see :func:`build_strategy`);
+    ``tiled`` is updated."""
     tactics: list[ManualPartition] = []
-    daxes = data_axes(mesh)
+    daxes = [a for a in data_axes(mesh) if axes is None or a in axes]
     for ax in daxes:
         size = mesh.axis_size(ax)
         inputs = {}
@@ -222,15 +242,28 @@ EMB_STRATEGY_NAMES = ("bp+emb", "bp+mp+emb", "bp+mp+emb+z3")
 def make_strategies(kinds: Sequence[ParamKind] | KindsFn, param_shapes: Callable[[Config], dict], *,
                     check_mp: Callable[[Config, int], None] | None = None,
                     names: Sequence[str] = STRATEGY_NAMES) -> dict[str, Strategy]:
-    """``{name: strategy(mesh, cfg=None) -> list[ManualPartition]}`` for the standard names."""
+    """``{name: strategy(mesh, cfg=None) -> list[ManualPartition]}`` for the standard names; any other
+    combination of the parts (``bp+z3@fsdp``) is built on request (:meth:`Strategies.compose`)."""
 
     def make(n: str) -> Strategy:
         def strategy(mesh: Mesh, cfg: Config | None = None) -> list[ManualPartition]:
             return build_strategy(n, mesh, cfg, kinds=kinds, param_shapes=param_shapes, check_mp=check_mp)
-        strategy.__name__ = strategy.__qualname__ = f"strategy_{n.replace('+', '_')}"
+        strategy.__name__ = strategy.__qualname__ = f"strategy_{n.replace('+', '_').replace('@', '_at_')}"
         strategy.__doc__ = f"Strategy {n!r}: see scenarios.strategies.build_strategy."
         return strategy
 
-    return {n: make(n) for n in names}
+    return Strategies(make, names)
+
+
+class Strategies(dict):
+    """The listed strategies by name, and :meth:`compose` for any other combination of the parts."""
+
+    def __init__(self, make: Callable[[str], Strategy], names: Sequence[str]) -> None:
+        super().__init__({n: make(n) for n in names})
+        self._make = make
+
+    def compose(self, name: str) -> Strategy:
+        """The strategy ``name`` though it is not listed (its parts are checked when it is built)."""
+        return self._make(name)
 
 

@@ -7,8 +7,9 @@ from partir_emu.hwmodels.analytical import Analyzer, CollectiveRow, SimReport, s
 from partir_emu.hwmodels.compute.costs import cost_rules, eqn_cost, op_kind
 from partir_emu.hwmodels.compute.memory import MemoryProfile, peak_memory
 from partir_emu.hwmodels.machine.placement import GroupLayout, Placement, place
+from partir_emu.hwmodels.machine.slices import topology_for
 from partir_emu.hwmodels.machine.specs import HardwareSpec, SpecLoader, list_specs, load_spec
-from partir_emu.hwmodels.machine.topology import Link, Topology, topology_for
+from partir_emu.hwmodels.machine.topology import Link, Topology
 from partir_emu.hwmodels.network.choice import choose_algorithm
 from partir_emu.hwmodels.network.comm import CommModel, PriceCache, price_schedule
 

@@ -54,8 +54,9 @@ from partir_emu.hwmodels.machine.links import (
     straggler_scale,
 )
 from partir_emu.hwmodels.machine.placement import Placement, place
+from partir_emu.hwmodels.machine.slices import topology_for
 from partir_emu.hwmodels.machine.specs import HardwareSpec, SpecLoader
-from partir_emu.hwmodels.machine.topology import Topology, topology_for
+from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.comm import CommModel, PriceCache
 from partir_emu.hwmodels.pricing import Priced, collective_rows, price, totals
 from partir_emu.hwmodels.report import CollectiveRow, SimReport

@@ -13,8 +13,8 @@ from partir_emu.errors import PlacementError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.machine.placement import Placement, place
 from partir_emu.hwmodels.machine.search import enumerate_placements, resolve_placement, search_placement
+from partir_emu.hwmodels.machine.slices import topology_for
 from partir_emu.hwmodels.machine.specs import load_spec
-from partir_emu.hwmodels.machine.topology import topology_for
 from tests.unit.test_hw_analytical import MM, Builder
 
 pytestmark = pytest.mark.xdist_group("placement_search")    # its cached programs and references: made once, on one worker

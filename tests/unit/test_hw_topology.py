@@ -8,7 +8,7 @@ import pytest
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels import Placement, Topology, load_spec, place, topology_for
-from partir_emu.hwmodels.machine.topology import default_slice
+from partir_emu.hwmodels.machine.slices import default_slice
 
 
 def _torus(dims, wrap=None):

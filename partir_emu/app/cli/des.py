@@ -86,7 +86,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def _hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="tpu-v4", help="spec name or .toml path (default %(default)s)")
     p.add_argument("--placement", default=None, metavar="AXIS=DIMS,...", help="e.g. model=x,batch=yz")
-    p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC", help="TPU slice shape")
+    p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC",
+                   help="TPU slice shape; one dim more in front: that many slices joined by DCN (2x16x16)")
     add_link_fault_args(p)
 
 

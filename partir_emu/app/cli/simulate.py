@@ -44,7 +44,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     add_stack_arg(p)
     add_placement_arg(p)
     p.add_argument("--slice", dest="slice_dims", default=None, metavar="AxBxC",
-                   help="TPU slice shape, e.g. 8x8x8 (default: derived from the mesh / placement)")
+                   help="TPU slice shape, e.g. 8x8x8 (default: derived from the mesh / placement); one dim more "
+                        "in front is the number of slices joined by DCN, e.g. 2x16x16 on tpu-v5e (put a mesh "
+                        "axis of that size first: --mesh dcn=2,batch=256 --strategy bp+z3@batch)")
     add_overlap_args(p)
     add_fault_args(p)                     # --comm-streams, --straggler, --degrade-link, --fail-link
     p.add_argument("--algorithm", default=None, metavar="ALG | KIND=ALG,...",

@@ -3,8 +3,8 @@
 Where no microbenchmark of a chip's matrix unit is public (TPUs: no MXU GEMM sweep in our
 references), its sustained matmul fraction (``[efficiency] matmul_peak_fraction`` of its spec)
 is *fitted*: the one value for which the chip's published training runs in the fidelity data
-file (every case of that chip, whatever its group) are predicted with a median step-time error
-of zero. It is one number per chip, never per case, and this module is how it was obtained:
+file (every case of that chip on one slice, whatever its group: :func:`chip_fit_cases`) are
+predicted with a median step-time error of zero. It is one number per chip, never per case, and this module is how it was obtained:
 ``partir-emu fidelity --fit tpu-v4`` prints it, the spec's ``_source`` string quotes it, and a
 test re-fits it from the data and compares.
 
@@ -49,6 +49,14 @@ def log_errors(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: Prog
         r = run_case(case, programs, analyzer, spec=spec)
         out.append(math.log(r.predicted_step_s / r.measured_step_s))
     return out
+
+
+def chip_fit_cases(cases: Sequence[PublishedRun], chip: str, spec: HardwareSpec) -> list[PublishedRun]:
+    """The cases ``chip``'s matmul fraction is fitted on: its runs on one slice. A run on several slices
+    joined by DCN (a slice shape with a leading slice count) tests the network model on top of the
+    chip; fitted on too, the compute constant would absorb what the DCN model misses."""
+    pod_dims = len(getattr(spec.network, "pod_dims", ()))
+    return [c for c in cases if c.hardware == chip and not (c.slice_dims and len(c.slice_dims) > pod_dims)]
 
 
 def fit_fraction(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> float:
@@ -146,11 +154,11 @@ def calibrate(chip: str, cases: Sequence[PublishedRun], *, programs: ProgramCach
     """Fit ``chip``'s matmul fraction to its cases among ``cases`` and measure how it generalises."""
     programs = programs if programs is not None else ProgramCache()
     analyzer = analyzer if analyzer is not None else Analyzer()
-    mine = [c for c in cases if c.hardware == chip]
-    if not mine:
-        raise FidelityDataError(f"--fit {chip}: the data file has no case on {chip!r}; "
-                                f"chips with cases: {sorted({c.hardware for c in cases})}")
     spec = analyzer.spec(chip)
+    mine = chip_fit_cases(cases, chip, spec)
+    if not mine:
+        raise FidelityDataError(f"--fit {chip}: the data file has no single-slice case on {chip!r}; "
+                                f"chips with cases: {sorted({c.hardware for c in cases})}")
     fraction = fit_fraction(mine, spec, programs, analyzer)
     fitted = with_matmul_fraction(spec, fraction)
     in_sample = [100 * math.expm1(e) for e in log_errors(mine, fitted, programs, analyzer)]

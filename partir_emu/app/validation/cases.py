@@ -147,6 +147,10 @@ _MECHANISMS = (
     # above the DES, benchmarks/tree_gpu.py)
     _c("mlp", "bp+mp", "h100", "batch=8,model=8", preset="small", overrides=None, mechanism=_NIC),
     _c("mlp", "bp+mp", "h100", "batch=16,model=8", preset="small", overrides=None, mechanism=_NIC),
+    # TPU slices over DCN: the chips of a host share its NIC; ICI inside each slice at the same time
+    _c("transformer", "bp+z3@batch", "tpu-v5e", "dcn=2,batch=16", slice_dims="2x4x4",
+       overrides="layers=2,batch=64", mechanism=_NIC),
+    _c("mlp", "bp", "tpu-v5e", "dcn=4,batch=16", slice_dims="4x4x4", mechanism=_NIC),
 )
 
 SUITES: dict[str, tuple[Case, ...]] = {"default": _CLOSED_FORM + _MECHANISMS}

@@ -141,7 +141,8 @@ def run_case(case: PublishedRun, programs: ProgramCache, analyzer: Analyzer, *,
             stack if stack is not None else load_stack(case.stack))
         checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
         model_flops = model_flops_per_device(exp)
-        sim = simulate(spmd, spec, case.placement, overlap=True, model_flops=model_flops, analyzer=analyzer)
+        sim = simulate(spmd, spec, case.placement, overlap=True, model_flops=model_flops, analyzer=analyzer,
+                       slice_dims=case.slice_dims)
     except PartirError as exc:
         raise FidelityDataError(f"{case.where or case.case}: {exc}") from None
     params = int(exp.scenario.param_count(exp.cfg))

@@ -117,7 +117,12 @@ class PublishedRun:
     notes: str = ""
     scenario: str = "transformer"
     placement: str | None = None
+    slice: str | None = None           # TPU slice shape; a leading extra dim counts slices over DCN ("2x16x16")
     where: str = field(default="", compare=False)
+
+    @property
+    def slice_dims(self) -> tuple[int, ...] | None:
+        return tuple(int(x) for x in self.slice.split("x")) if self.slice else None
 
     @property
     def overrides(self) -> str:
@@ -167,7 +172,7 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "global_batch": int, "set": dict, "measured": (int, float), "metric": str, "convention": str, "stack": str}
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "published_mfu": (int, float), "published_hfu": (int, float), "notes": str, "scenario": str, "placement": str,
-    "source_id": str}
+    "source_id": str, "slice": str}
 
 
 def _check_fields(d: Any, at: str) -> None:
@@ -215,6 +220,12 @@ def _check_values(d: dict, at: str) -> None:
                                 f"{d['set'].get('batch')!r}; the scenario's batch is the global batch")
     if d["metric"] == "tokens_per_s" and not isinstance(d["set"].get("seq"), int):
         raise FidelityDataError(f"{at}: a tokens_per_s case needs set.seq (tokens per step = set.batch * set.seq)")
+    if "slice" in d:
+        dims = d["slice"].split("x")
+        if not all(x.isdigit() and int(x) > 0 for x in dims) or math.prod(map(int, dims)) != d["chips"]:
+            raise FidelityDataError(f"{at}: field 'slice' is {d['slice']!r}; write the slice shape as positive "
+                                    f"integers joined by 'x' whose product is 'chips' ({d['chips']}), with a "
+                                    f"leading count of slices over DCN if several (\"2x16x16\")")
     bad = [k for k, v in d["set"].items() if isinstance(v, bool) or not isinstance(v, (int, str))]
     if bad:
         raise FidelityDataError(f"{at}: set.{bad[0]} is {d['set'][bad[0]]!r}; --set values are integers or words")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from partir_emu.app.programs import ProgramCache
 from partir_emu.app.validation.calibrate import (
+    chip_fit_cases,
     fit_fraction,
     fit_stack_fraction,
     fraction_source,
@@ -73,8 +74,8 @@ def fitted_constants(cases: Sequence[PublishedRun], *, programs: ProgramCache | 
     for chip in sorted({c.hardware for c in cases}):
         if not is_fitted(chip, analyzer):
             continue
-        mine = [c for c in cases if c.hardware == chip]
         spec = analyzer.spec(chip)
+        mine = chip_fit_cases(cases, chip, spec)
         out.append(FittedConstant(f"{chip} [efficiency] matmul_peak_fraction", spec.efficiency.matmul_peak_fraction,
                                   fit_fraction(mine, spec, programs, analyzer), tuple(c.case for c in mine)))
     for stack in fitted_stacks(cases):
@@ -150,7 +151,7 @@ def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache |
     for g in groups:
         train = [c for c in cases if group_of(c, key) != g]
         fractions = {chip: fit_fraction(mine, analyzer.spec(chip), programs, analyzer)
-                     for chip in sorted(fitted) if (mine := [c for c in train if c.hardware == chip])}
+                     for chip in sorted(fitted) if (mine := chip_fit_cases(train, chip, analyzer.spec(chip)))}
         prior = statistics.mean(fractions.values()) if fractions else None
         specs = {chip: with_matmul_fraction(analyzer.spec(chip), f) for chip, f in fractions.items()}
         held = [c for c in cases if group_of(c, key) == g]

@@ -20,6 +20,8 @@ gather), so the lowering itself never duplicates a collective.
 """
 from __future__ import annotations
 
+import math
+
 from partir_emu.compiler.lowering.gathers import (
     cast_before_gather,
     last_primal_eqn,
@@ -120,7 +122,14 @@ class Lowerer:
             if run:
                 rs[d] = tuple(run)
         rest = mesh_order(mesh, [a for a in resolve if not any(a in r for r in rs.values())])
-        if rest:   # on the smaller (still tiled) buffer, before any gather
+        # the all-reduce of the other pending axes runs on the smaller buffer: before the gathers
+        # (still tiled), or after the reduce-scatters when they shrink it more than the gathers grow
+        # it: a gradient of a weight sharded over ``fsdp`` and replicated over ``dcn`` is
+        # reduce-scattered over fsdp first, and only its shard crosses the slower dcn axis
+        grow = math.prod(mesh.axis_size(a) for g in gather for a in g)
+        shrink = math.prod(mesh.axis_size(a) for r in rs.values() for a in r)
+        late = bool(rest) and shrink > grow
+        if rest and not late:
             step("all_reduce", {"axes": rest, "op": src.partial_op}, cur_dims)
         for d in range(len(gather)):
             g = gather[d]
@@ -144,6 +153,8 @@ class Lowerer:
             nd[d] = cur_dims[d] + axes
             step("reduce_scatter", {"axes": axes, "dim": d}, nd)
             slc[d] = slc[d][len(axes):]
+        if late:
+            step("all_reduce", {"axes": rest, "op": src.partial_op}, cur_dims)
         for d in range(len(slc)):
             if slc[d]:
                 nd = list(cur_dims)

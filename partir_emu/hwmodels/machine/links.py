@@ -115,7 +115,7 @@ class Router:
         failed link reroutes replaced one by one; elsewhere one by one."""
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
-        if self.topology.kind != "torus":
+        if self.topology.kind == "gpu":           # (a torus and TPU slices over DCN route as arrays)
             return pad_routes([self.route(s, d) for s, d in zip(src.tolist(), dst.tolist())])
         out = self._torus_matrix(src, dst)
         if self.failed:

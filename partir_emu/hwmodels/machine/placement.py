@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import MeshError, PlacementError
 from partir_emu.hwmodels.machine.mapping import Factor, dims_from_mapping, explicit_placement, parse_mapping
+from partir_emu.hwmodels.machine.slices import topology_for
 from partir_emu.hwmodels.machine.specs import HardwareSpec, TorusSpec
-from partir_emu.hwmodels.machine.topology import Topology, topology_for
+from partir_emu.hwmodels.machine.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ class Placement:
         would fit in one node, an axis that is no closed ring/torus where whole wraparound dims of its
         size exist."""
         topo, out = self.topology, []
-        if topo.kind == "torus":
+        if topo.kind in ("torus", "slices"):
             for d, name in enumerate(topo.dim_names):
                 on = sorted(((f.stride, a, f.size) for a in self.mesh.axis_names for f in self.factors[a]
                              if f.dim == d and f.size > 1), reverse=True)

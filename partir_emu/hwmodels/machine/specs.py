@@ -12,6 +12,10 @@ A spec file has a top-level ``name``, ``kind`` (``"tpu"`` or ``"gpu"``) and
                  ``ib_latency_s`` (per hop)
 ``[topology]``   TPU: ``kind = "torus"``, ``pod_dims``, ``wraparound`` (``full`` | ``cube_multiple`` |
                  ``always`` | ``never``), ``cube`` (needed by ``cube_multiple``).
+``[dcn]``        TPU, optional: the data-centre network that joins slices (multi-slice, several pods):
+                 ``host_bw_bytes_per_s`` (one way, per host NIC), ``latency_s``, ``chips_per_host``,
+                 ``pcie_bw_bytes_per_s`` (chip to its host, one way), ``max_slices``
+                 (:mod:`partir_emu.hwmodels.machine.slices`).
                  GPU: ``kind = "nvswitch"``, ``fabric`` (``fat_tree`` | ``rail_optimized``),
                  ``nodes_per_leaf`` (fat tree), ``nodes_per_su`` (rail-optimized scalable unit),
                  ``max_nodes``.
@@ -38,6 +42,8 @@ from typing import Any
 from partir_emu.errors import SpecError
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec, EfficiencySpec, parse_compiler, parse_efficiency
 from partir_emu.hwmodels.compute.stack import XLA, StackSpec
+from partir_emu.hwmodels.machine.spec_fields import check_ranges as _check_ranges
+from partir_emu.hwmodels.machine.spec_fields import check_table as _check_table
 from partir_emu.limits import load_toml
 
 DATA_DIR = Path(__file__).parents[1] / "data"
@@ -66,23 +72,26 @@ _SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
     },
 }
 _OPTIONAL_TABLES = ("compiler", "efficiency")     # validated by hwmodels.efficiency
+_DCN = {"host_bw_bytes_per_s": ("float", True), "latency_s": ("float", True), "chips_per_host": ("int", True),
+        "pcie_bw_bytes_per_s": ("float", True), "max_slices": ("int", True)}
 _TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False),
         "what_if": ((True, False), False)}
-# sensible ranges of the rates and latencies (field-name ending -> (low, high, unit)): far outside any
-# real chip or link, a value is a typo (a denormal bandwidth printed "inf ms"); a spec with
-# what_if = true skips them. Memory sizes are not bounded: a tiny HBM is a useful what-if and
-# prices finitely.
-RANGES = {"flops_bf16_per_s": (1e9, 1e18, "FLOP/s"), "flops_f32_per_s": (1e9, 1e18, "FLOP/s"),
-          "vector_flops_per_s": (1e9, 1e18, "FLOP/s"),
-          "bw_bytes_per_s": (1e6, 1e15, "B/s"), "latency_s": (1e-10, 1.0, "s"), "links_per_chip": (1, 64, ""),
-          "gpus_per_node": (1, 1024, ""), "nics_per_node": (1, 1024, ""), "nodes_per_leaf": (1, 1 << 20, ""),
-          "nodes_per_su": (1, 1 << 20, ""), "max_nodes": (1, 1 << 20, ""),
-          "pod_dims": (1, 4096, "chips per torus dim"), "cube": (1, 4096, "chips per cube dim")}
+
+
+@dataclass(frozen=True)
+class DcnSpec:
+    """The data-centre network between TPU slices: each host's NIC into a non-blocking fabric."""
+
+    host_bw_bytes_per_s: float
+    latency_s: float
+    chips_per_host: int
+    pcie_bw_bytes_per_s: float
+    max_slices: int
 
 
 @dataclass(frozen=True)
 class TorusSpec:
-    """TPU inter-chip interconnect: a 2D/3D torus (slices of it)."""
+    """TPU inter-chip interconnect: a 2D/3D torus (slices of it), and the DCN between slices if given."""
 
     link_bw_bytes_per_s: float
     link_latency_s: float
@@ -90,10 +99,16 @@ class TorusSpec:
     pod_dims: tuple[int, ...]
     wraparound: str
     cube: tuple[int, ...] | None = None
+    dcn: DcnSpec | None = None
+
+    @property
+    def pod_chips(self) -> int:
+        """Chips of one pod: the largest slice."""
+        return math.prod(self.pod_dims)
 
     @property
     def max_chips(self) -> int:
-        return math.prod(self.pod_dims)
+        return self.pod_chips * (self.dcn.max_slices if self.dcn is not None else 1)
 
 
 @dataclass(frozen=True)
@@ -155,7 +170,8 @@ class HardwareSpec:
         return self.flops_bf16_per_s if dtype in MATMUL_16BIT_DTYPES else self.flops_f32_per_s
 
     def to_json(self) -> dict:
-        net = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.network).items()}
+        net = {k: (list(v) if isinstance(v, tuple) else dict(vars(v)) if isinstance(v, DcnSpec) else v)
+               for k, v in vars(self.network).items()}
         return {"name": self.name, "kind": self.kind, "flops_bf16_per_s": self.flops_bf16_per_s,
                 "flops_f32_per_s": self.flops_f32_per_s, "vector_flops_per_s": self.vector_flops_per_s,
                 "hbm_bytes": self.hbm_bytes, "hbm_bw_bytes_per_s": self.hbm_bw_bytes_per_s, "network": net,
@@ -272,10 +288,11 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
     top = _check_table(data, _TOP, where, "", allow_tables=True)
     kind = top["kind"]
     schema = _SCHEMA[kind]
-    extra = [k for k, v in data.items() if isinstance(v, dict) and k not in schema and k not in _OPTIONAL_TABLES]
+    optional = (*_OPTIONAL_TABLES, "dcn") if kind == "tpu" else _OPTIONAL_TABLES
+    extra = [k for k, v in data.items() if isinstance(v, dict) and k not in schema and k not in optional]
     if extra:
         raise SpecError(f"{where}: unknown table [{extra[0]}] for a {kind} spec; "
-                        f"expected tables {', '.join('[' + t + ']' for t in (*schema, *_OPTIONAL_TABLES))}")
+                        f"expected tables {', '.join('[' + t + ']' for t in (*schema, *optional))}")
     vals: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
     for table, fields in schema.items():
@@ -287,6 +304,9 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
             raise SpecError(f"{where}: field {table!r} must be a table [{table}], got {type(sub).__name__}")
         vals[table] = _check_table(sub, fields, where, table + ".")
         sources.update({k[:-len("_source")]: v for k, v in sub.items() if k.endswith("_source")})
+    if kind == "tpu" and isinstance(data.get("dcn"), dict):
+        vals["dcn"] = _check_table(data["dcn"], _DCN, where, "dcn.")
+        sources.update({f"dcn.{k[:-len('_source')]}": v for k, v in data["dcn"].items() if k.endswith("_source")})
     if not top.get("what_if", False):
         _check_ranges(vals, where)
     chip = vals["chip"]
@@ -302,9 +322,13 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
         if not 1 <= len(topo["pod_dims"]) <= 3:
             raise SpecError(f"{where}: field topology.pod_dims must list 1 to 3 torus dims, got {topo['pod_dims']}")
         ici = vals["ici"]
+        dcn = DcnSpec(**vals["dcn"]) if "dcn" in vals else None
+        if dcn is not None and math.prod(topo["pod_dims"]) % dcn.chips_per_host:
+            raise SpecError(f"{where}: field dcn.chips_per_host = {dcn.chips_per_host} does not divide the pod's "
+                            f"{math.prod(topo['pod_dims'])} chips; give the chips one host serves")
         net: TorusSpec | GpuClusterSpec = TorusSpec(
             ici["link_bw_bytes_per_s"], ici["link_latency_s"], ici["links_per_chip"], topo["pod_dims"],
-            topo["wraparound"], topo.get("cube"))
+            topo["wraparound"], topo.get("cube"), dcn)
     else:
         nv, nw = vals["nvlink"], vals["network"]
         if nw["nics_per_node"] != nw["gpus_per_node"]:
@@ -318,63 +342,3 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
                         top.get("description", ""), where, sources,
                         compiler=parse_compiler(data.get("compiler"), where),
                         efficiency=parse_efficiency(data.get("efficiency"), where))
-
-
-def _check_ranges(vals: Mapping[str, Mapping[str, Any]], where: str) -> None:
-    for table, fields in vals.items():
-        for key, value in fields.items():
-            rng = next((r for end, r in RANGES.items() if key.endswith(end)), None)
-            for v in value if isinstance(value, tuple) else (value,):      # a list: each entry
-                if rng is not None and isinstance(v, (int, float)) and not rng[0] <= v <= rng[1]:
-                    raise SpecError(f"{where}: field {table}.{key} = {v if isinstance(v, int) else f'{v:g}'} is outside the sensible range "
-                                    f"[{rng[0]:g}, {rng[1]:g}] {rng[2]}; fix it, or put what_if = true at the top "
-                                    f"of the spec for a study beyond real hardware")
-
-
-def _check_table(sub: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]], where: str, prefix: str,
-                 allow_tables: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in sub.items():
-        if key.endswith("_source"):
-            if not isinstance(value, str):
-                raise SpecError(f"{where}: field {prefix}{key} must be a string naming a public source")
-            continue
-        if allow_tables and isinstance(value, dict):
-            continue
-        if key not in fields:
-            raise SpecError(f"{where}: unknown field {prefix}{key}; "
-                            f"known fields here: {', '.join(prefix + f for f in fields)}")
-        out[key] = _check_value(value, fields[key][0], where, prefix + key)
-    for key, (_, required) in fields.items():
-        if required and key not in out:
-            raise SpecError(f"{where}: field {prefix}{key} is missing; add it"
-                            + (f" under [{prefix[:-1]}]" if prefix else " at the top level"))
-    return out
-
-
-def _check_value(value: Any, typ: Any, where: str, name: str) -> Any:
-    def bad(expected: str) -> SpecError:
-        return SpecError(f"{where}: field {name} must be {expected}, got {type(value).__name__} {value!r}")
-
-    if isinstance(typ, tuple):
-        if value not in typ:
-            raise bad("one of " + ", ".join(repr(t) for t in typ))
-        return value
-    if typ == "str":
-        if not isinstance(value, str):
-            raise bad("a string")
-        return value
-    if typ == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise bad("a positive number")
-        return float(value)
-    if typ == "int":
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise bad("a positive integer")
-        return value
-    if typ == "ints":
-        if (not isinstance(value, list) or not value
-                or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value)):
-            raise bad("a non-empty list of positive integers")
-        return tuple(value)
-    raise AssertionError(typ)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partir_emu.errors import PlacementError
-from partir_emu.hwmodels.machine.specs import GpuClusterSpec, HardwareSpec, TorusSpec
+from partir_emu.hwmodels.machine.specs import GpuClusterSpec
 
 Node = int | str
 TORUS_DIM_NAMES = ("x", "y", "z")
@@ -197,18 +197,23 @@ class Topology:
         """The routes of transfers ``src[f] -> dst[f]`` (chips) as an ``[F, hops]`` array of link ids,
         ``-1`` padded: row ``f`` is ``route(src[f], dst[f])``. On a torus computed with array operations
         (dimension order, the shorter way round a wrapped dim, a tie the + way); elsewhere pair by pair."""
-        src = np.asarray(src, dtype=np.int64).reshape(-1)
-        dst = np.asarray(dst, dtype=np.int64).reshape(-1)
-        n = self.num_chips
-        if len(src) != len(dst):
-            raise PlacementError(f"route_matrix got {len(src)} sources but {len(dst)} destinations; give one each")
-        for ends in (src, dst):
-            bad = ends[(ends < 0) | (ends >= n)]
-            if bad.size:
-                raise PlacementError(f"chip {int(bad[0])} is not in {self.describe()}")
+        src, dst = self.chip_pairs(src, dst)
         if self.kind != "torus":
             return pad_routes([tuple(lk.id for lk in self.route_tuple(s, d)) for s, d in zip(src.tolist(), dst.tolist())])
         return self._torus_walk(src, dst)
+
+    def chip_pairs(self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``src`` and ``dst`` as flat int64 arrays of chips of this topology, one of each per transfer."""
+        src = np.asarray(src, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst, dtype=np.int64).reshape(-1)
+        if len(src) != len(dst):
+            raise PlacementError(f"route_matrix got {len(src)} sources but {len(dst)} destinations; give one each")
+        for ends in (src, dst):
+            bad = ends[(ends < 0) | (ends >= self.num_chips)]
+            if bad.size:
+                raise PlacementError(f"chip {int(bad[0])} is not in {self.describe()}")
+        return src, dst
 
     def _torus_walk(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """The torus routes of :meth:`route_matrix` (chips known to be on the torus): how many hops which
@@ -317,77 +322,3 @@ def _row_major(coords: tuple[int, ...], dims: tuple[int, ...]) -> int:
     for c, s in zip(coords, dims):
         i = i * s + c
     return i
-
-
-# -- building the topology a spec gives for a number of chips ------------------------------------------
-def torus_wraparound(spec: TorusSpec, dims: tuple[int, ...]) -> tuple[bool, ...]:
-    """Which dims of a slice of shape ``dims`` have wraparound links, per the spec's rule."""
-    rule = spec.wraparound
-    if rule == "always":
-        return (True,) * len(dims)
-    if rule == "never":
-        return (False,) * len(dims)
-    if rule == "full":
-        return tuple(s == p for s, p in zip(dims, spec.pod_dims))
-    assert rule == "cube_multiple" and spec.cube is not None
-    whole_cubes = all(s % c == 0 for s, c in zip(dims, spec.cube))
-    return (whole_cubes,) * len(dims)
-
-
-def default_slice(spec: TorusSpec, num_chips: int) -> tuple[int, ...]:
-    """The most balanced slice shape of ``num_chips`` that fits the pod (dims ascending); whole cubes
-    (or full dims) are preferred when they exist, as the real slice shapes are."""
-    nd = len(spec.pod_dims)
-    best: tuple | None = None
-    for combo in _factorizations(num_chips, nd):
-        if any(s > p for s, p in zip(combo, sorted(spec.pod_dims))):
-            continue
-        dims = tuple(combo)
-        wraps = sum(torus_wraparound(spec, dims))
-        score = (max(dims), -wraps, -min(dims), dims)
-        if best is None or score < best[0]:
-            best = (score, dims)
-    if best is None:
-        raise PlacementError(f"{num_chips} chips do not fit a pod of {'x'.join(map(str, spec.pod_dims))}; "
-                             f"use at most {spec.max_chips} devices, in a shape that fits the pod")
-    return best[1]
-
-
-def _factorizations(n: int, k: int, least: int = 1) -> list[tuple[int, ...]]:
-    """Every way to write ``n`` as a non-decreasing product of ``k`` factors ≥ ``least``
-    (the smallest factor is at most n^(1/k), so this is fast even for absurd ``n``)."""
-    if k == 1:
-        return [(n,)] if n >= least else []
-    out = []
-    a = least
-    while a ** k <= n:
-        if n % a == 0:
-            out += [(a,) + rest for rest in _factorizations(n // a, k - 1, a)]
-        a += 1
-    return out
-
-
-def topology_for(spec: HardwareSpec, num_chips: int, dims: tuple[int, ...] | None = None,
-                 wrap: tuple[bool, ...] | None = None) -> Topology:
-    """The topology of ``num_chips`` chips of ``spec``: a torus slice (``dims`` or :func:`default_slice`,
-    wraparound per the spec's rule unless ``wrap`` says otherwise) or whole GPU nodes."""
-    net = spec.network
-    if isinstance(net, GpuClusterSpec):
-        if dims is not None and math.prod(dims) != num_chips:
-            raise PlacementError(f"GPU dims {dims} hold {math.prod(dims)} GPUs, not {num_chips}")
-        return Topology.gpu_cluster(num_chips, net, spec.name)
-    if dims is None:
-        dims = default_slice(net, num_chips)
-    dims = tuple(dims)
-    if len(dims) != len(net.pod_dims):
-        raise PlacementError(f"slice {dims} of {spec.name} needs {len(net.pod_dims)} dims "
-                             f"(pod {'x'.join(map(str, net.pod_dims))})")
-    if math.prod(dims) != num_chips:
-        raise PlacementError(f"slice {'x'.join(map(str, dims))} has {math.prod(dims)} chips, not {num_chips}; "
-                             f"choose dims whose product is the mesh size")
-    if any(s > p for s, p in zip(dims, net.pod_dims)):
-        raise PlacementError(f"slice {'x'.join(map(str, dims))} does not fit the {spec.name} pod "
-                             f"{'x'.join(map(str, net.pod_dims))}")
-    return Topology.torus(dims, wrap if wrap is not None else torus_wraparound(net, dims),
-                          link_bw_bytes_per_s=net.link_bw_bytes_per_s, link_latency_s=net.link_latency_s,
-                          name=spec.name)

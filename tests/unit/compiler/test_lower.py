@@ -51,12 +51,16 @@ def test_partial_with_a_consumer_tiled_on_the_same_axis_is_reduce_scattered():
     assert spmd.out_shardings == (Sharding((("a",), ())),)
 
 
-def test_partial_over_two_axes_reduce_scatters_one_and_all_reduces_the_other_first():
+def test_partial_over_two_axes_reduce_scatters_one_then_all_reduces_the_shard_over_the_other():
+    """The all-reduce over ``b`` runs on the buffer the reduce-scatter over ``a`` has shrunk (a
+    gradient sharded inside a slice and replicated across slices sends only its shard over DCN)."""
     b, x, w, y = matmul_program()
     q = b.input("q", 8, 6)
     z = b.binary("add", y, q)
     spmd = lowered(b.build(z), AB, MP({"x": 1, "q": 0}, axis="a"), MP({"x": 1}, axis="b"))
-    assert collectives(spmd) == [("all_reduce", ("b",), "sum"), ("reduce_scatter", ("a",), 0)]
+    assert collectives(spmd) == [("reduce_scatter", ("a",), 0), ("all_reduce", ("b",), "sum")]
+    assert eqn_of(spmd, "all_reduce").inputs[0].shape == (4, 6)
+    verify(spmd.program)
 
 
 def test_partial_over_two_axes_reduce_scattered_on_both():
