@@ -168,8 +168,8 @@ class Scenario:
     def strategy(self, name: str, mesh: Mesh, cfg: Config | None = None) -> list[ManualPartition]:
         fn = self.strategies.get(name)
         compose = getattr(self.strategies, "compose", None)     # scenarios.strategies.Strategies
-        if fn is None and compose is not None and "@" in name:
-            fn = compose(name)
+        if fn is None and compose is not None:
+            fn = compose(name)            # any combination of the parts; build_strategy checks them
         if fn is None:
             raise ScenarioError(f"scenario {self.name!r} has no strategy {name!r}; "
                                 f"its strategies are {sorted(self.strategies)}"

@@ -59,11 +59,12 @@ def _kind_shapes(scenario_param_shapes: dict, kinds: Sequence[ParamKind]) -> dic
 def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence[ParamKind] | KindsFn,
                    param_shapes: Callable[[Config], dict], batch_patterns: Sequence[str] = ("batch/*",),
                    batch_size: Callable[[Config], int] = lambda c: c["batch"],
-                   check_mp: Callable[[Config, int], None] | None = None) -> list[ManualPartition]:
-    """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``emb``, ``z2``, ``z3`` joined by ``+``
-    (``z2@AXES``/``z3@AXES``: ZeRO over those data axes only, replicated over the others).
+                   check_mp: Callable[[Config, int], None] | None = None,
+                   seq_dim: int | None = None) -> list[ManualPartition]:
+    """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``sp``, ``emb``, ``z2``, ``z3`` joined by
+    ``+`` (``z2@AXES``/``z3@AXES``: ZeRO over those data axes only, replicated over the others).
 
-    Tactic order: bp (one per data axis), then mp and emb (on ``model``), then z2/z3
+    Tactic order: bp (one per data axis), then mp, emb and sp (on ``model``), then z2/z3
     (one per data axis).
 
     - ``bp``: ``batch/*`` dim 0 on each data axis.
@@ -73,6 +74,11 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
       unembedding tables) on ``model``: a masked local lookup whose rows are all-reduced, and
       vocab-parallel logits with a sharded softmax cross-entropy (a pending max and sums of
       [batch, seq] values), so no collective carries [batch, seq, vocab] or [vocab, d_model].
+    - ``sp``: Megatron's sequence parallelism: ``batch/*`` dim ``seq_dim`` (the sequence; a scenario
+      without one refuses sp) on ``model``, after
+      mp, so what mp leaves replicated over ``model`` (norms, residual stream, loss) is split by
+      sequence; the column-parallel matmuls all-gather their input over ``model`` and the
+      row-parallel outputs are reduce-scattered into it (no all-reduce).
     - ``z3``: every parameter and its ``mu``/``nu`` on each data axis; ``z2``:
       only ``mu``/``nu``. Default dim 0, except a matrix already sharded on
       ``model`` uses its other dim (a 1-D vector stacks the data axis after
@@ -85,15 +91,16 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     and which of them Megatron shards, depend on the config (``cfg=None``: the static defaults).
     """
     parts, zero_axes = _zero_axes(name, mesh)
-    unknown = [p for p in parts if p not in ("bp", "mp", "emb", "z2", "z3", "auto")]
+    unknown = [p for p in parts if p not in ("bp", "mp", "sp", "emb", "z2", "z3", "auto")]
     if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
             or ("auto" in parts and ("mp" in parts or "emb" in parts)):
-        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp and emb (or auto), z2, z3")
+        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, sp and emb (or auto), z2, z3 "
+                            f"(z2@AXES / z3@AXES for ZeRO over some data axes), joined by '+', e.g. bp+mp+sp+z3")
     use_mp, use_emb = "mp" in parts, "emb" in parts
     use_auto = "auto" in parts
     zero = "z3" if "z3" in parts else "z2" if "z2" in parts else None
     use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
-    check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_emb or use_auto)
+    check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_emb or use_auto or "sp" in parts)
     daxes = data_axes(mesh)
     if callable(kinds):
         kinds = tuple(kinds(cfg, mesh.axis_size(MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1))
@@ -125,6 +132,17 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
         tactics.append(_model_tactic(name, "mp", kinds, mesh, shapes, tiled))
     if use_emb:
         tactics.append(_model_tactic(name, "emb", kinds, mesh, shapes, tiled))
+    if "sp" in parts and seq_dim is None:
+        raise ScenarioError(f"strategy {name!r}: sp splits the sequence, and this scenario's batch has no sequence "
+                            f"dim; drop sp")
+    if "sp" in parts:
+        # sequence parallelism (Megatron-SP, Korthikanti et al. 2022): the batch's sequence dim on the
+        # model axis, after Megatron's weights: everything mp leaves replicated over model (norms,
+        # residual stream, dropout, loss) is split by sequence instead, and where it meets a
+        # column-parallel matmul the input is all-gathered over model, where a row-parallel output
+        # meets it the partial sum is reduce-scattered (instead of one all-reduce)
+        tactics.append(ManualPartition({p: seq_dim for p in batch_patterns}, axis=MODEL_AXIS, name=f"sp:{MODEL_AXIS}",
+                                       meet="reshard"))
     if use_auto:
         # the model axis searched instead of written: the caller's cost model prices each choice
         # (partir_emu.api passes the analytical model, on this tactic's hardware)
@@ -240,14 +258,15 @@ EMB_STRATEGY_NAMES = ("bp+emb", "bp+mp+emb", "bp+mp+emb+z3")
 
 
 def make_strategies(kinds: Sequence[ParamKind] | KindsFn, param_shapes: Callable[[Config], dict], *,
-                    check_mp: Callable[[Config, int], None] | None = None,
+                    check_mp: Callable[[Config, int], None] | None = None, seq_dim: int | None = None,
                     names: Sequence[str] = STRATEGY_NAMES) -> dict[str, Strategy]:
     """``{name: strategy(mesh, cfg=None) -> list[ManualPartition]}`` for the standard names; any other
     combination of the parts (``bp+z3@fsdp``) is built on request (:meth:`Strategies.compose`)."""
 
     def make(n: str) -> Strategy:
         def strategy(mesh: Mesh, cfg: Config | None = None) -> list[ManualPartition]:
-            return build_strategy(n, mesh, cfg, kinds=kinds, param_shapes=param_shapes, check_mp=check_mp)
+            return build_strategy(n, mesh, cfg, kinds=kinds, param_shapes=param_shapes, check_mp=check_mp,
+                                  seq_dim=seq_dim)
         strategy.__name__ = strategy.__qualname__ = f"strategy_{n.replace('+', '_').replace('@', '_at_')}"
         strategy.__doc__ = f"Strategy {n!r}: see scenarios.strategies.build_strategy."
         return strategy

@@ -344,7 +344,7 @@ SCENARIO = Scenario(
     param_count=param_count,
     model_flops=model_flops,
     param_kinds=PARAM_KINDS,
-    strategies=make_strategies(param_kinds, param_shapes, check_mp=_check_mp,
+    strategies=make_strategies(param_kinds, param_shapes, check_mp=_check_mp, seq_dim=1,
                                names=STRATEGY_NAMES + EMB_STRATEGY_NAMES),
     check_config=_check_config,
     flag_names=FLAG_NAMES,
