@@ -1,9 +1,11 @@
 """Evaluations per second of the analytical model on the full-size 48-layer transformer.
 
-    python benchmarks/simulate_speed.py [--repeats 30] [--cold-repeats 3] [--quick]
+    python benchmarks/simulate_speed.py [--repeats 30] [--cold-repeats 3] [--quick] [--stack NAME]
 
 The program: ``transformer --size t48 --strategy bp+mp+z3`` (5.75 B parameters, bf16 with float32 master weights, flash attention, full remat, Adam),
-lowered once per mesh (abstract tracing; the lowering is not part of an evaluation), priced on tpu-v4.
+lowered once per mesh (abstract tracing; the lowering is not part of an evaluation), priced on tpu-v4
+running the software stack ``--stack`` (default ``xla``; ``pytorch-fsdp`` prices every framework op as
+its own kernel at the stack's compute fraction: the stack model on).
 What "one evaluation" is, from cheapest to dearest (every row is a full ``simulate`` call returning a
 SimReport with its breakdowns, per-collective rows and peak memory):
 
@@ -43,6 +45,7 @@ from partir_emu.collectives import algorithms  # noqa: E402
 from partir_emu.core.mesh import Mesh  # noqa: E402
 from partir_emu.hwmodels import load_spec, place  # noqa: E402
 from partir_emu.hwmodels.analytical import Analyzer  # noqa: E402
+from partir_emu.hwmodels.compute.stack import load_stack  # noqa: E402
 
 SPEC = "tpu-v4"
 PRESET = "t48"
@@ -50,6 +53,7 @@ STRATEGY = "bp+mp+z3"
 MAIN_MESH = "batch=64,model=8"                    # 512 chips: an 8x8x8 slice
 LAYERS = (12, 24, 48)
 MESHES = ("batch=8,model=8", "batch=64,model=8", "batch=512,model=8")   # 64, 512, 4096 chips
+STACK = ["xla"]                                   # --stack
 
 
 def median_s(fn, repeats: int, setup=None) -> float:
@@ -91,7 +95,7 @@ def lowered(mesh: str, layers: int):
 
 def measure(mesh: str, layers: int, repeats: int, cold_repeats: int, full: bool) -> dict:
     spmd, lower_s = lowered(mesh, layers)
-    spec = load_spec(SPEC)
+    spec = load_spec(SPEC).with_stack(load_stack(STACK[0]))
     placement = place(spmd.mesh, spec)
     eqns = spmd.program.eqns
 
@@ -105,7 +109,7 @@ def measure(mesh: str, layers: int, repeats: int, cold_repeats: int, full: bool)
     out["warm"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement), repeats)
     out["floor"] = median_s(floor, repeats)
     if full:
-        out["warm, names"] = median_s(lambda: ANALYZER.simulate(spmd, SPEC), repeats)
+        out["warm, names"] = median_s(lambda: ANALYZER.simulate(spmd, SPEC), repeats)   # (the chip's own stack)
         out["overlap"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement, overlap=True), max(3, repeats // 3))
         out["2 streams"] = median_s(lambda: ANALYZER.simulate(spmd, spec, placement, overlap=True, comm_streams=2),
                                     max(3, repeats // 3))
@@ -124,12 +128,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="repeats of the cheap rows (default %(default)s)")
     ap.add_argument("--cold-repeats", type=int, default=3, help="repeats of the cold rows (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="only the main table (no scaling with layers/devices)")
+    ap.add_argument("--stack", default="xla", help="software stack profile to price with (default %(default)s)")
     args = ap.parse_args(argv)
+    STACK[0] = args.stack
     load0 = os.getloadavg()[0]
     t_start = time.perf_counter()
 
     m = measure(MAIN_MESH, 48, args.repeats, args.cold_repeats, full=True)
-    print(f"analytical model speed: transformer {PRESET} ({STRATEGY}), {m['chips']} chips of {SPEC}, "
+    print(f"analytical model speed: transformer {PRESET} ({STRATEGY}), {m['chips']} chips of {SPEC} "
+          f"under stack {args.stack}, "
           f"{m['eqns']} equations, {m['collectives']} collectives ({m['distinct']} distinct); "
           f"lowered once in {m['lower_s']:.1f} s; predicted step {m['step_s']:.3f} s")
     print(f"{'evaluation':<14}{'ms/eval':>10}{'evals/s':>10}{'x floor':>9}  what is redone each time")

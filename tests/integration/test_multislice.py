@@ -82,3 +82,15 @@ def test_priced_on_two_slices_only_the_shards_cross_dcn():
 def test_zero_over_an_axis_that_is_not_a_data_axis_is_refused(strategy, needle):
     with pytest.raises(ScenarioError, match=needle):
         _exp(strategy, Mesh(dcn=2, batch=2, model=2)).lower()
+
+
+def test_the_cli_prices_a_run_on_two_slices(capsys):
+    from partir_emu.app.cli.main import main
+
+    assert main(["simulate", "transformer", "--size", "tiny", "--strategy", "bp+z3@batch", "--mesh", "dcn=2,batch=16",
+                 "--set", "batch=32", "--hardware", "tpu-v5e", "--slice", "2x4x4"]) == 0
+    out = capsys.readouterr().out
+    assert "2 slice(s) of 2D torus 4(open)x4(open) (16 chips) joined by DCN" in out
+    assert main(["simulate", "transformer", "--size", "tiny", "--strategy", "bp+z3@batch", "--mesh", "dcn=2,batch=16",
+                 "--set", "batch=32", "--hardware", "tpu-v3", "--slice", "2x4x4"]) != 0
+    assert "no [dcn] table" in capsys.readouterr().err
