@@ -23,7 +23,10 @@ its breakdown adds ``prefetch_buffers``. Every other buffer keeps its program-or
 **Loops** (rule 5 of :mod:`partir_emu.core.analysis`): a ``loop`` equation's point is sampled as any
 equation's (its operands and all its results live), plus the peak of its body's own profile (the body's
 inputs live at its start point as their own buffers; one iteration's values are gone before the next
-starts, so every iteration has the same peak). ``MemoryProfile.bodies`` keeps the body profiles added;
+starts, so every iteration has the same peak). Under a stack's policy (not ``"program"``) the buffers
+rule 5 counts twice are counted once (:func:`shared_loop_buffers`: the body's consts and carry are the
+loop's operands, a donated carry-in becomes the carry result): a gradient accumulator is one
+buffer plus the micro-batch's new sum, not four. ``MemoryProfile.bodies`` keeps the body profiles added;
 at a loop point the breakdown is the enclosing program's plus the body's. With overlap the body's
 profile is the one of its own schedule (its prefetch buffers included): :func:`peak_memory` takes the
 body profiles to add.
@@ -93,15 +96,16 @@ def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfi
         for o in e.outputs:
             live += size[o.id]
         body = bodies.get(i) if bodies else None
-        sample = live + body.peak_bytes if body is not None else live
+        sample = live + body.peak_bytes - sum(shared_loop_buffers(prog, i, lv.last_use, body, policy).values()) \
+            if body is not None else live
         points.append(sample)
         if sample > peak:
             peak, peak_at = sample, i
         for v in gone:
             live -= size[v.id]
     bd = _breakdown(prog, peak_at, lv.last_use, size)
-    return MemoryProfile(peak, peak_at, _with_body(bd, bodies.get(peak_at)), tuple(points), input_bytes,
-                         MappingProxyType(dict(bodies)), policy)
+    return MemoryProfile(peak, peak_at, _with_body(bd, bodies.get(peak_at), prog, peak_at, lv.last_use, policy),
+                         tuple(points), input_bytes, MappingProxyType(dict(bodies)), policy)
 
 
 def loop_bodies(prog: Program, policy: str = "program") -> dict[int, MemoryProfile]:
@@ -110,13 +114,44 @@ def loop_bodies(prog: Program, policy: str = "program") -> dict[int, MemoryProfi
             if e.prim == LOOP and int(e.params["length"]) > 0}
 
 
-def _with_body(bd: dict[str, int], body: MemoryProfile | None) -> dict[str, int]:
-    """A loop point's breakdown: the enclosing program's plus its body's at the body's peak."""
+def _with_body(bd: dict[str, int], body: MemoryProfile | None, prog: Program, at: int, last: Mapping[int, int],
+               policy: str) -> dict[str, int]:
+    """A loop point's breakdown: the enclosing program's plus its body's at the body's peak, less the
+    buffers the two share (:func:`shared_loop_buffers`)."""
     if body is None:
         return bd
     out = dict(bd)
     for k, v in body.breakdown.items():
         out[k] = out.get(k, 0) + v
+    for k, v in shared_loop_buffers(prog, at, last, body, policy).items():
+        out[k] -= v
+    return out
+
+
+def shared_loop_buffers(prog: Program, at: int, last: Mapping[int, int], body: MemoryProfile,
+                        policy: str) -> dict[str, int]:
+    """Bytes that rule 5 counts twice at loop point ``at`` but a stack's loop holds once, by category.
+    Under policy ``"program"`` (the runtime's convention: every Var its own buffer) none. A compiled or
+    eager stack runs a loop in its operands' buffers: the body's consts and carry *are* the loop's
+    operands (XLA's while-loop parameters alias its operand tuple; an accumulating ``.grad`` is one
+    tensor), and a carry result takes over its carry-in buffer when the loop is that operand's last use
+    (the carry is donated). Counted once, at the enclosing program's operands. The body's new carry
+    still counts beside the old one until the iteration ends (no in-place update is assumed), and the
+    x rows and the stacked ys keep their own buffers."""
+    if policy == "program":
+        return {}
+    e = prog.eqns[at]
+    nc, nk = int(e.params["num_consts"]), int(e.params["num_carry"])
+    out: dict[str, int] = {}
+    for a, o in zip(e.inputs[nc:nc + nk], e.outputs[:nk]):
+        if type(a) is Var and last.get(a.id) == at and nbytes_of(a) == nbytes_of(o):
+            out["temporaries"] = out.get("temporaries", 0) + nbytes_of(o)
+    b = e.params["body"]
+    blast = saved_liveness(b, policy).last_use
+    for v, name in list(zip(b.inputs, b.input_names))[:nc + nk]:
+        if body.peak_at == -1 or blast.get(v.id, -1) >= body.peak_at:
+            cat = _category(name)
+            out[cat] = out.get(cat, 0) + nbytes_of(v)
     return out
 
 
@@ -135,7 +170,7 @@ def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] 
     loop point plus ``bodies[at]``'s (the body profile added there)."""
     lv = saved_liveness(program, policy)
     bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial, on_chip(program, policy)))
-    return _with_body(bd, bodies.get(at) if bodies else None)
+    return _with_body(bd, bodies.get(at) if bodies else None, program, at, lv.last_use, policy)
 
 
 def prefetch_peak(live: np.ndarray, first: np.ndarray, last: np.ndarray, nbytes: np.ndarray
