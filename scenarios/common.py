@@ -173,7 +173,8 @@ class Scenario:
         if fn is None:
             raise ScenarioError(f"scenario {self.name!r} has no strategy {name!r}; "
                                 f"its strategies are {sorted(self.strategies)}"
-                                + ("; ZeRO over some data axes only is z3@AXIS (bp+z3@fsdp)" if compose else ""))
+                                + ("; other combinations of their parts are built too (bp+mp+sp+z3, ZeRO over "
+                                   "some data axes only: bp+z3@batch)" if compose else ""))
         return fn(mesh, cfg)
 
     def carries(self, name: str, mesh: Mesh, cfg: Config | None = None) -> bool:

@@ -16,6 +16,8 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 from scenarios.common import MODEL_AXIS, Config, KindsFn, ParamKind, Strategy
 
+PARTS = ("bp", "mp", "sp", "emb", "z2", "z3", "auto")     # what a strategy name is made of, joined by '+'
+
 
 def data_axes(mesh: Mesh) -> list[str]:
     return [a for a in mesh.axis_names if a != MODEL_AXIS]
@@ -91,7 +93,7 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     and which of them Megatron shards, depend on the config (``cfg=None``: the static defaults).
     """
     parts, zero_axes = _zero_axes(name, mesh)
-    unknown = [p for p in parts if p not in ("bp", "mp", "sp", "emb", "z2", "z3", "auto")]
+    unknown = [p for p in parts if p not in PARTS]
     if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
             or ("auto" in parts and ("mp" in parts or "emb" in parts)):
         raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, sp and emb (or auto), z2, z3 "
@@ -109,18 +111,7 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
 
     if use_bp:
         if cfg is not None:
-            group = mesh.group_size(daxes)
-            if batch_size(cfg) % group:
-                raise ScenarioError(f"strategy {name!r}: batch {batch_size(cfg)} is not divisible by the data "
-                                    f"axes {daxes} of {mesh} (product {group}); change --set batch=...")
-            # gradient accumulation shards every micro-batch's rows, not the batch's: a micro-batch
-            # smaller than the data group would be resharded across it on every step (silently
-            # slow), so it is refused like an indivisible batch
-            k = int(cfg.get("microbatches", 1))
-            if k > 1 and (batch_size(cfg) // k) % group:
-                raise ScenarioError(f"strategy {name!r}: a micro-batch of batch {batch_size(cfg)} / microbatches "
-                                    f"{k} = {batch_size(cfg) // k} rows is not divisible by the data axes {daxes} "
-                                    f"of {mesh} (product {group}); lower --set microbatches=... or raise batch")
+            _check_batch(name, mesh, daxes, batch_size(cfg), int(cfg.get("microbatches", 1)))
         for ax in daxes:
             tactics.append(ManualPartition({p: 0 for p in batch_patterns}, axis=ax, name=f"bp:{ax}"))
 
@@ -132,17 +123,8 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
         tactics.append(_model_tactic(name, "mp", kinds, mesh, shapes, tiled))
     if use_emb:
         tactics.append(_model_tactic(name, "emb", kinds, mesh, shapes, tiled))
-    if "sp" in parts and seq_dim is None:
-        raise ScenarioError(f"strategy {name!r}: sp splits the sequence, and this scenario's batch has no sequence "
-                            f"dim; drop sp")
     if "sp" in parts:
-        # sequence parallelism (Megatron-SP, Korthikanti et al. 2022): the batch's sequence dim on the
-        # model axis, after Megatron's weights: everything mp leaves replicated over model (norms,
-        # residual stream, dropout, loss) is split by sequence instead, and where it meets a
-        # column-parallel matmul the input is all-gathered over model, where a row-parallel output
-        # meets it the partial sum is reduce-scattered (instead of one all-reduce)
-        tactics.append(ManualPartition({p: seq_dim for p in batch_patterns}, axis=MODEL_AXIS, name=f"sp:{MODEL_AXIS}",
-                                       meet="reshard"))
+        tactics.append(_sequence_tactic(name, batch_patterns, seq_dim))
     if use_auto:
         # the model axis searched instead of written: the caller's cost model prices each choice
         # (partir_emu.api passes the analytical model, on this tactic's hardware)
@@ -152,6 +134,34 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     if zero is not None:
         tactics += _zero_tactics(zero, mesh, kinds, shapes, tiled, use_mp, use_emb, zero_axes)
     return tactics
+
+
+def _check_batch(name: str, mesh: Mesh, daxes: list[str], batch: int, microbatches: int) -> None:
+    """The batch, and each micro-batch of gradient accumulation, splits evenly over the data axes."""
+    group = mesh.group_size(daxes)
+    if batch % group:
+        raise ScenarioError(f"strategy {name!r}: batch {batch} is not divisible by the data "
+                            f"axes {daxes} of {mesh} (product {group}); change --set batch=...")
+    # gradient accumulation shards every micro-batch's rows, not the batch's: a micro-batch smaller
+    # than the data group would be resharded across it on every step (silently slow), so it is
+    # refused like an indivisible batch
+    if microbatches > 1 and (batch // microbatches) % group:
+        raise ScenarioError(f"strategy {name!r}: a micro-batch of batch {batch} / microbatches "
+                            f"{microbatches} = {batch // microbatches} rows is not divisible by the data axes {daxes} "
+                            f"of {mesh} (product {group}); lower --set microbatches=... or raise batch")
+
+
+def _sequence_tactic(name: str, batch_patterns: Sequence[str], seq_dim: int | None) -> ManualPartition:
+    """``sp`` (Megatron-SP, Korthikanti et al. 2022): the batch's sequence dim on the model axis, after
+    Megatron's weights. Everything mp leaves replicated over model (norms, residual stream, dropout,
+    loss) is split by sequence instead; where it meets a column-parallel matmul the input is
+    all-gathered over model, where a row-parallel output meets it the partial sum is reduce-scattered
+    (instead of one all-reduce). The meetings are the point: resharded, not warned about."""
+    if seq_dim is None:
+        raise ScenarioError(f"strategy {name!r}: sp splits the sequence, and this scenario's batch has no sequence "
+                            f"dim; drop sp")
+    return ManualPartition({p: seq_dim for p in batch_patterns}, axis=MODEL_AXIS, name=f"sp:{MODEL_AXIS}",
+                           meet="reshard")
 
 
 def _zero_axes(name: str, mesh: Mesh) -> tuple[list[str], list[str] | None]:
@@ -281,8 +291,11 @@ class Strategies(dict):
         super().__init__({n: make(n) for n in names})
         self._make = make
 
-    def compose(self, name: str) -> Strategy:
-        """The strategy ``name`` though it is not listed (its parts are checked when it is built)."""
+    def compose(self, name: str) -> Strategy | None:
+        """The strategy ``name`` though it is not listed, if it is made of the parts (``None`` if not;
+        how they combine is checked when it is built)."""
+        if not name or any(p.partition("@")[0] not in PARTS for p in name.split("+")):
+            return None
         return self._make(name)
 
 

@@ -8,7 +8,7 @@ import pytest
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError, PlacementError, SpecError
 from partir_emu.hwmodels import Placement, load_spec, topology_for
-from partir_emu.hwmodels.machine.slices import SlicedTopology
+from partir_emu.hwmodels.machine.slices import SlicedTopology, chips_limit
 from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.comm import CommModel
 
@@ -16,13 +16,17 @@ V5E = load_spec("tpu-v5e")
 DCN = V5E.network.dcn
 
 
-def test_the_spec_carries_its_dcn_and_more_chips_than_a_pod_are_whole_pods():
+def test_the_spec_carries_its_dcn_and_slices_are_asked_for_never_assumed():
     assert DCN is not None and DCN.chips_per_host == 8 and DCN.host_bw_bytes_per_s == 2.5e10
-    assert V5E.network.pod_chips == 256 and V5E.network.max_chips == 256 * DCN.max_slices
-    t = topology_for(V5E, 512)
+    assert V5E.network.pod_chips == V5E.network.max_chips == 256
+    assert chips_limit(V5E) == 256 and chips_limit(V5E, (4, 16, 16)) == 1024 and chips_limit(V5E, (16, 16)) == 256
+    t = topology_for(V5E, 512, (2, 16, 16))
     assert isinstance(t, SlicedTopology) and t.dims == (2, 16, 16) and t.dim_names == ("slice", "x", "y")
     assert topology_for(V5E, 256).kind == "torus"                      # one pod: no DCN
-    assert topology_for(V5E, 64, (4, 4, 4)).describe().startswith("tpu-v5e 4 slice(s) of 2D torus 4(open)x4(open) (16 chips) joined by DCN")
+    assert topology_for(V5E, 64, (4, 4, 4)).describe().startswith(
+        "tpu-v5e 4 slice(s) of 2D torus 4(open)x4(open) (16 chips) joined by DCN")
+    with pytest.raises(PlacementError, match=r"--slice 2x16x16"):        # more than a pod: say how
+        topology_for(V5E, 512)
 
 
 def test_routes_inside_a_slice_are_the_slice_torus_routes_moved_to_the_slice():
@@ -40,7 +44,7 @@ def test_routes_inside_a_slice_are_the_slice_torus_routes_moved_to_the_slice():
 
 
 def test_a_transfer_across_slices_crosses_pcie_both_nics_and_pcie():
-    t = topology_for(V5E, 512)
+    t = topology_for(V5E, 512, (2, 16, 16))
     route = t.route(3, 256 + 17)
     assert [lk.kind for lk in route] == ["pcie", "dcn", "dcn", "pcie"]
     assert [lk.src for lk in route] == [3, "host0", "dcn", "host34"]       # chip 273 is on host 273 // 8
@@ -69,8 +73,8 @@ def test_a_spec_without_dcn_cannot_build_slices_and_bad_dcn_fields_are_named():
         topology_for(v3, 128, (2, 8, 8))
     with pytest.raises(PlacementError, match="dcn.max_slices"):
         topology_for(V5E, 257 * 4, (257, 2, 2))
-    with pytest.raises(PlacementError, match="whole pods"):
-        topology_for(V5E, 300)
+    with pytest.raises(PlacementError, match="equal slices"):
+        topology_for(V5E, 300, (7, 4, 4))
     with pytest.raises(SpecError, match="dcn.chips_per_host"):
         load_spec("tpu-v5e", overrides={"dcn.chips_per_host": 3})
     with pytest.raises(SpecError, match="unknown field dcn.hosts"):

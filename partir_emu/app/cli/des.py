@@ -29,6 +29,7 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.msgtrace import read_message_trace
 from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.des.model import DesOptions, simulate_des
+from partir_emu.hwmodels.machine.slices import chips_limit
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.hwmodels.validation.replay import replay
 
@@ -120,8 +121,8 @@ def cmd_simulate_des(args: argparse.Namespace) -> int:
                        progress=True if args.progress else (False if args.quiet else None))
     exp = experiment_from_args(args)
     checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, "simulate-des")
-    checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
     slice_dims = parse_slice(args.slice_dims)
+    checks.check_fits_hardware(exp.mesh, chips_limit(spec, slice_dims), spec.name)
     analyzer = Analyzer()                # this command's session, shared by the search, the model and the DES
     check_placement(exp.mesh, spec, args.placement, slice_dims, analyzer)      # None (the default) = auto: searched
     with Phases("simulate-des", quiet=args.quiet) as phases:    # the DES then shows its own progress bar
@@ -207,7 +208,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     head, rows = read_message_trace(args.trace)
     mesh, spec = Mesh.from_json(head["mesh"]), load_spec(args.hardware)
     checks.check_mesh_size(mesh, checks.MAX_SIMULATE_DEVICES, "replay", what=f"the mesh of {args.trace}")
-    checks.check_fits_hardware(mesh, spec.network.max_chips, spec.name, what=f"the mesh of {args.trace}")
+    checks.check_fits_hardware(mesh, chips_limit(spec, parse_slice(args.slice_dims)), spec.name,
+                               what=f"the mesh of {args.trace}")
     rep = replay(head, rows, spec, args.placement, parse_slice(args.slice_dims), _options(args))
     print(rep.table())
     write_report(rep.to_json(), args.report)

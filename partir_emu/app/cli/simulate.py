@@ -33,6 +33,7 @@ from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
 from partir_emu.hwmodels.compute.stack import list_stacks, load_stack
 from partir_emu.hwmodels.machine.placement import Placement
 from partir_emu.hwmodels.machine.search import PlacementChoice, resolve_placement
+from partir_emu.hwmodels.machine.slices import chips_limit
 from partir_emu.hwmodels.machine.specs import HardwareSpec, TorusSpec, list_specs, load_spec
 
 
@@ -117,7 +118,7 @@ def simulate_experiment(args: argparse.Namespace) -> tuple[dict, SimReport]:
     slice_dims = parse_slice(args.slice_dims)
     exp = experiment_from_args(args)
     checks.check_mesh_size(exp.mesh, checks.MAX_SIMULATE_DEVICES, getattr(args, "cmd", "simulate"))
-    checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
+    checks.check_fits_hardware(exp.mesh, chips_limit(spec, slice_dims), spec.name)
     analyzer = Analyzer()                # this command's session: one topology, one placement, one analysis
     check_placement(exp.mesh, spec, args.placement, slice_dims, analyzer)
     with Phases(getattr(args, "cmd", "simulate"), quiet=getattr(args, "quiet", False)) as phases:

@@ -26,6 +26,7 @@ from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.machine.links import Router, link_factors
 from partir_emu.hwmodels.machine.placement import place
+from partir_emu.hwmodels.machine.slices import chips_limit
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.hwmodels.validation.des import MAX_MAX, MEDIAN_MAX, Case, CaseResult, compare
 from partir_emu.hwmodels.validation.report import ValidationReport
@@ -281,9 +282,10 @@ def check_case(case: Case, at: str) -> Case:
     try:
         mesh = Mesh.parse(case.mesh)
         spec = load_spec(case.hardware)
-        if mesh.size > spec.network.max_chips:
+        most = chips_limit(spec, tuple(int(x) for x in case.slice_dims.split("x")) if case.slice_dims else None)
+        if mesh.size > most:
             raise ValidationError(f"mesh {case.mesh} has {mesh.size} devices but {spec.name} has at most "
-                                  f"{spec.network.max_chips} chips")
+                                  f"{most} chips")
         exp = Experiment(case.scenario, case.strategy, mesh, case.preset, case.overrides)
         exp.scenario.strategy(case.strategy, mesh, exp.cfg)
         _check_conditions(case, mesh)

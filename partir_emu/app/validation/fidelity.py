@@ -35,6 +35,7 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
 from partir_emu.hwmodels.compute.stack import StackSpec, load_stack
+from partir_emu.hwmodels.machine.slices import chips_limit
 from partir_emu.hwmodels.machine.specs import HardwareSpec
 
 # the targets of issue 10 over the required cases (tests/integration/test_fidelity.py pins them)
@@ -139,7 +140,7 @@ def run_case(case: PublishedRun, programs: ProgramCache, analyzer: Analyzer, *,
         spmd = programs.spmd(exp)
         spec = (spec if spec is not None else analyzer.spec(case.hardware)).with_stack(
             stack if stack is not None else load_stack(case.stack))
-        checks.check_fits_hardware(exp.mesh, spec.network.max_chips, spec.name)
+        checks.check_fits_hardware(exp.mesh, chips_limit(spec, case.slice_dims), spec.name)
         model_flops = model_flops_per_device(exp)
         sim = simulate(spmd, spec, case.placement, overlap=True, model_flops=model_flops, analyzer=analyzer,
                        slice_dims=case.slice_dims)

@@ -115,6 +115,15 @@ class SlicedTopology(Topology):
     __str__ = describe
 
 
+def chips_limit(spec: HardwareSpec, slice_dims: Sequence[int] | None = None) -> int:
+    """The most chips ``spec`` holds as asked: one pod (a GPU cluster's nodes), or ``S`` pods when
+    ``slice_dims`` asks for ``S`` slices over DCN."""
+    net = spec.network
+    if isinstance(net, TorusSpec) and slice_dims is not None and len(slice_dims) == len(net.pod_dims) + 1:
+        return net.pod_chips * int(slice_dims[0])
+    return net.max_chips
+
+
 def sliced(one: Topology, slices: int, dcn: DcnSpec | None, spec_name: str) -> Topology:
     """``one`` itself for one slice, else ``slices`` of it over ``dcn`` (an error if the spec has none)."""
     if slices == 1:
@@ -158,8 +167,10 @@ def default_slice(spec: TorusSpec, num_chips: int) -> tuple[int, ...]:
         if best is None or score < best[0]:
             best = (score, dims)
     if best is None:
+        more = (f", or several pods joined by DCN with a leading slice count (--slice 2x{'x'.join(map(str, spec.pod_dims))})"
+                if spec.dcn is not None else "")
         raise PlacementError(f"{num_chips} chips do not fit a pod of {'x'.join(map(str, spec.pod_dims))}; "
-                             f"use at most {spec.max_chips} devices, in a shape that fits the pod")
+                             f"use at most {spec.max_chips} devices, in a shape that fits the pod{more}")
     return best[1]
 
 
@@ -182,7 +193,7 @@ def topology_for(spec: HardwareSpec, num_chips: int, dims: tuple[int, ...] | Non
     """The topology of ``num_chips`` chips of ``spec``: a torus slice (``dims`` or :func:`default_slice`,
     wraparound per the spec's rule unless ``wrap`` says otherwise) or whole GPU nodes. A TPU ``dims``
     with one dim more than the pod, ``(S, *slice)``, is ``S`` slices joined by DCN (``--slice 2x16x16``);
-    with no ``dims``, more chips than a pod holds are whole pods over DCN."""
+    they are never assumed: more chips than a pod holds without it is an error."""
     net = spec.network
     if isinstance(net, GpuClusterSpec):
         if dims is not None and math.prod(dims) != num_chips:
@@ -191,11 +202,6 @@ def topology_for(spec: HardwareSpec, num_chips: int, dims: tuple[int, ...] | Non
     slices = 1
     if dims is not None and len(dims) == len(net.pod_dims) + 1:
         slices, dims = int(dims[0]), tuple(dims[1:])
-    elif dims is None and num_chips > net.pod_chips and net.dcn is not None:
-        if num_chips % net.pod_chips:
-            raise PlacementError(f"{num_chips} chips of {spec.name} are more than a pod's {net.pod_chips} but not "
-                                 f"whole pods; give the slices with --slice SxAxB... (S slices of AxB...)")
-        slices, dims = num_chips // net.pod_chips, tuple(net.pod_dims)
     if num_chips % slices:
         raise PlacementError(f"{num_chips} chips do not make {slices} equal slices; choose a mesh of "
                              f"{slices} x the slice's chips")
@@ -219,4 +225,4 @@ def topology_for(spec: HardwareSpec, num_chips: int, dims: tuple[int, ...] | Non
     return sliced(one, slices, net.dcn, spec.name)
 
 
-__all__ = ["DCN_SWITCH", "SLICE_DIM", "SlicedTopology", "default_slice", "sliced", "topology_for", "torus_wraparound"]
+__all__ = ["DCN_SWITCH", "SLICE_DIM", "SlicedTopology", "chips_limit", "default_slice", "sliced", "topology_for", "torus_wraparound"]

@@ -108,7 +108,8 @@ class TorusSpec:
 
     @property
     def max_chips(self) -> int:
-        return self.pod_chips * (self.dcn.max_slices if self.dcn is not None else 1)
+        """Chips of one slice at most (several slices over DCN are asked for: ``chips_limit``)."""
+        return self.pod_chips
 
 
 @dataclass(frozen=True)
