@@ -16,14 +16,15 @@ from partir_emu.hwmodels.validation.report import ValidationReport
 @pytest.mark.slow
 def test_default_validation_suite(tmp_path):
     """>= 40 cases, at least half beyond the alpha-beta closed form (every mechanism present), MLP and
-    transformer, TPU v4 and H100, 8 to 2048 chips: median |analytical - DES| / DES <= 2 %, max <= 10 %,
+    transformer, TPU v4, v5e (two and four slices joined by DCN) and H100, 8 to 2048 chips: median |analytical - DES| / DES <= 2 %, max <= 10 %,
     identical strategy rankings, in a few minutes; the report gives the error per mechanism."""
     cases = SUITES["default"]
     assert len(cases) >= 40 and MEDIAN_MAX == 0.02 and MAX_MAX == 0.10
     beyond = [c for c in cases if c.mechanism != "closed-form"]
     assert 2 * len(beyond) >= len(cases)
     assert {c.mechanism for c in cases} == set(MECHANISMS)
-    assert {c.scenario for c in cases} == {"mlp", "transformer"} and {c.hardware for c in cases} == {"tpu-v4", "h100"}
+    assert {c.scenario for c in cases} == {"mlp", "transformer"}
+    assert {c.hardware for c in cases} == {"tpu-v4", "tpu-v5e", "h100"}           # v5e: slices over DCN
     assert min(c.devices for c in cases) == 8 and max(c.devices for c in cases) == 2048
     rep = run_suite("default")
     by = rep.by_mechanism()
