@@ -282,7 +282,7 @@ def check_case(case: Case, at: str) -> Case:
     try:
         mesh = Mesh.parse(case.mesh)
         spec = load_spec(case.hardware)
-        most = chips_limit(spec, tuple(int(x) for x in case.slice_dims.split("x")) if case.slice_dims else None)
+        most = chips_limit(spec, case.slice_tuple())
         if mesh.size > most:
             raise ValidationError(f"mesh {case.mesh} has {mesh.size} devices but {spec.name} has at most "
                                   f"{most} chips")
