@@ -4,7 +4,7 @@ For each ``OPENBLAS_CORETYPE`` (default: the machine's own, Haswell, SkylakeX wh
 AVX-512, Prescott) a child process runs the sweep: every strategy of every scenario (mlp,
 transformer, transformer in bfloat16, unet, gns, inference prefill and decode) at its emulation
 size, on the first 4-device mesh that carries it, over ``--seeds`` seeds (default 20), each run on
-the in-process mesh and judged by :mod:`partir_emu.app.verdict` against the unpartitioned step
+the in-process mesh and judged by :mod:`partir_emu.runtime.verdict` against the unpartitioned step
 (jax.jit, float64, and the program in other summation orders). Then the deliberately broken
 programs, on the first seed:
 

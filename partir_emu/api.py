@@ -32,6 +32,8 @@ from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.local_mesh import LocalMesh
+from partir_emu.runtime.rounding import other_orders
+from partir_emu.runtime.verdict import Verdict, compute_precision, judge, reduction_length
 
 __all__ = ["Lowered", "Jitted", "jit", "lower_program", "trace", "analytical_cost"]
 
@@ -148,6 +150,33 @@ class Jitted:
         else:
             outs = low.run(*flat, algorithm=self.algorithm, kernels=self.kernels).outputs
         return _jax().tree_util.tree_unflatten(low.out_tree, outs)
+
+    def verify(self, *args: Any) -> Verdict:
+        """Run the partitioned step on ``args`` (on this backend) and judge its outputs as the
+        scenarios' runs are judged (:mod:`partir_emu.runtime.verdict`): against the unpartitioned
+        ``jax.jit(fn)`` and the same step in float64 (float arguments cast up, jax's 64-bit mode on
+        for that call only), with the reach of the unpartitioned program in other summation orders.
+        ``.summary()`` of the result is the one-line verdict; ``.verified`` the yes/no.
+
+        A step that casts to a narrower float inside (a bf16 step) still rounds there under x64, so
+        its float64 reference is only as exact as those casts; the scenarios build such steps again
+        without the casts for their reference, which a user's function cannot be."""
+        jax = _jax()
+        keyed = self._key(args)
+        low = self._lower(args, keyed)
+        flat = [np.asarray(x) for x in keyed[1]]
+        ours = [np.asarray(x) for x in jax.tree_util.tree_leaves(self(*args))]
+        jitted = jax.jit(self.fn)
+        baseline = [np.asarray(x) for x in jax.tree_util.tree_leaves(jitted(*args))]
+        # the caller's own leaves (a typed PRNG key stays a key), floats cast up
+        wide = [np.asarray(x, np.float64) if jax.dtypes.issubdtype(getattr(x, "dtype", None), np.floating) else x
+                for x in jax.tree_util.tree_leaves(args)]
+        with jax.enable_x64(True):
+            ref64 = [np.asarray(x) for x in jax.tree_util.tree_leaves(
+                jitted(*jax.tree_util.tree_unflatten(low.in_tree, wide)))]
+        program = low.program
+        return judge(ours, baseline, ref64, program.output_names, reduction_length(program),
+                     others=other_orders(program, flat), precision=compute_precision(program))
 
 
 def _dtype_name(x: Any) -> str:

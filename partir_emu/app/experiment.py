@@ -1,6 +1,6 @@
 """One scenario × strategy × mesh run: build inputs, lower, execute, verify.
 
-Verification (:mod:`partir_emu.app.verdict`) holds the run's outputs against the unpartitioned
+Verification (:mod:`partir_emu.runtime.verdict`) holds the run's outputs against the unpartitioned
 step computed in float64, relative to what the unpartitioned float32 ``jax.jit`` achieves.
 :func:`verify` is the strict elementwise comparison the tests use for exact-ish checks.
 
@@ -25,15 +25,6 @@ from typing import Any
 import numpy as np
 
 from partir_emu.api import Lowered, lower_program, trace
-from partir_emu.app.verdict import (
-    UNIT_ROUNDOFF,
-    References,
-    Verdict,
-    compute_precision,
-    judge_references,
-    judge_strict,
-    reduction_length,
-)
 from partir_emu.core.dtypes import array_files, restored
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
@@ -42,6 +33,15 @@ from partir_emu.errors import ArgumentError, EmulationError
 from partir_emu.mpi.interrupts import responsive
 from partir_emu.runtime.local_mesh import LocalMesh
 from partir_emu.runtime.rounding import other_orders
+from partir_emu.runtime.verdict import (
+    UNIT_ROUNDOFF,
+    References,
+    Verdict,
+    compute_precision,
+    judge_references,
+    judge_strict,
+    reduction_length,
+)
 from scenarios import get_scenario
 
 RTOL = 1e-5
@@ -147,7 +147,7 @@ class Experiment:
             return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
 
     def references(self, inputs: Sequence[np.ndarray]) -> References:
-        """What a run on ``inputs`` is judged against (:class:`~partir_emu.app.verdict.References`):
+        """What a run on ``inputs`` is judged against (:class:`~partir_emu.runtime.verdict.References`):
         the unpartitioned step by ``jax.jit``, in float64, and (unless the strict check needs only
         ``jax.jit``) the unpartitioned program in other summation orders."""
         jit, ref64 = self.reference(inputs), self.reference(inputs, x64=True)
@@ -162,7 +162,7 @@ class Experiment:
 
     def check(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray], names: Sequence[str],
               refs: References | None = None) -> Verdict:
-        """The verdict on a run's global outputs (see :mod:`partir_emu.app.verdict`); ``refs`` from
+        """The verdict on a run's global outputs (see :mod:`partir_emu.runtime.verdict`); ``refs`` from
         :meth:`references` when they were computed earlier (e.g. while MPI ranks started)."""
         refs = refs if refs is not None else self.references(inputs)
         if self._strict_elementwise:

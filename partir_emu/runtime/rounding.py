@@ -37,7 +37,7 @@ one way in one run of the pair and the other way in the other, so both sides are
 
 Everything else runs as the interpreter runs it (the numpy implementations the meshes run), so
 these runs differ from a partitioned run only by summation order and by the injected error.
-:mod:`partir_emu.app.verdict` judges a run against the float64 reference by how far these runs
+:mod:`partir_emu.runtime.verdict` judges a run against the float64 reference by how far these runs
 and ``jax.jit`` reach, element by element. This module never imports jax.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ def mlp_step(params, opt, x, y):
 
 def mlp_step_no_casts(params, opt, x, y):
     """The same step without the bf16 casts: run in float64 it is the verdict's reference (with
-    the casts, x64 would still round to bf16; see partir_emu.app.verdict)."""
+    the casts, x64 would still round to bf16; see partir_emu.runtime.verdict)."""
     return _mlp_step(params, opt, x, y, None)
 
 
@@ -97,7 +97,7 @@ def mlp_schedule(strategy: str) -> list:
 def lowered_mlp(strategy: str, mesh: str):
     """(SpmdProgram, flat inputs, jax.jit outputs, float64 outputs, reduction length)."""
     from partir_emu.api import lower_program, trace
-    from partir_emu.app.verdict import reduction_length
+    from partir_emu.runtime.verdict import reduction_length
     jax = _jax()
     args = mlp_inputs()
     prog = trace(mlp_step, *args)
@@ -222,7 +222,7 @@ CASES = [("batch", "batch=4"), ("model", "model=4"), ("batch+model", "batch=2,mo
 
 @pytest.mark.parametrize("strategy,mesh", CASES)
 def test_bf16_mlp_step_verifies_against_jit(strategy, mesh):
-    from partir_emu.app.verdict import judge
+    from partir_emu.runtime.verdict import judge
     spmd, flat, base, ref64, k = lowered_mlp(strategy, mesh)
     assert any(v.dtype == "bfloat16" for e in spmd.program.eqns for v in e.outputs), "no bf16 in the program"
     assert sum(spmd.stats().count.values()) > 0, "the partitioning needs collectives"
@@ -234,7 +234,7 @@ def test_bf16_mlp_step_verifies_against_jit(strategy, mesh):
 
 
 def judge_precision(program) -> str:
-    from partir_emu.app.verdict import compute_precision
+    from partir_emu.runtime.verdict import compute_precision
     return compute_precision(program)
 
 
@@ -256,8 +256,8 @@ def test_wrong_bf16_partitioning_fails_the_verdict():
     values are wrong) must fail the bf16 verdict, far above its bound."""
     import dataclasses
 
-    from partir_emu.app.verdict import judge
     from partir_emu.core.spmd import SpmdProgram
+    from partir_emu.runtime.verdict import judge
     spmd, flat, base, ref64, k = lowered_mlp("model", "model=4")
     prog = spmd.program
     eqns = list(prog.eqns)
@@ -276,7 +276,7 @@ def test_wrong_bf16_partitioning_fails_the_verdict():
 
 def test_stale_half_of_a_bf16_update_fails_the_verdict():
     """Half of w1 never updated (a lost reduce-scatter block under ZeRO): the bf16 verdict fails."""
-    from partir_emu.app.verdict import judge
+    from partir_emu.runtime.verdict import judge
     spmd, flat, base, ref64, k = lowered_mlp("z3", "batch=4")
     good = LocalMesh(spmd.mesh, "ring").run(spmd, flat).outputs
     j, w = spmd.output_names.index("1/w1"), flat[spmd.input_names.index("params/w1")]

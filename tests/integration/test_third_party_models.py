@@ -238,9 +238,13 @@ def test_loss_and_gradients_match_jax(model, strategy):
 @pytest.mark.parametrize("strategy", ["bp", "mp", "z3"])
 @pytest.mark.parametrize("model", list(CASES))
 def test_whole_step_with_optax_matches_jax(model, strategy):
+    """The whole step (Adam's update included) judged by the verdict the scenarios get
+    (``verify``: vs float64, beyond the reach of correct summation orders), not by a tolerance:
+    Adam's ``m / sqrt(v)`` turns rounding noise in tiny gradients into O(lr) differences."""
     args, _, step = CASES[model]()
     mesh, schedule = _schedule(model, strategy)
-    _check(step, args, mesh, schedule, 1e-3)
+    verdict = pe.jit(step, mesh=mesh, schedule=schedule).verify(*args)
+    assert verdict.verified, verdict.summary()
 
 
 def test_a_wrong_partitioning_would_fail_the_check():

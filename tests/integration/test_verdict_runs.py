@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from partir_emu.app.experiment import Experiment, flatten
-from partir_emu.app.verdict import References
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import EmulationError
 from partir_emu.runtime.local_mesh import LocalMesh
+from partir_emu.runtime.verdict import References
 from scenarios import get_scenario
 from tests.conftest import experiment, lowered
 

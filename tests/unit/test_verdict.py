@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partir_emu.app.verdict import judge, reduction_length
 from partir_emu.core.ir import Eqn, Program, Var
 from partir_emu.errors import EmulationError
+from partir_emu.runtime.verdict import judge, reduction_length
 
 
 def _rounded(x64: np.ndarray, rng: np.random.Generator, rel: float = 2.0 ** -24) -> np.ndarray:

@@ -36,11 +36,11 @@ import partir_emu as pe
 from partir_emu.api import lower_program
 from partir_emu.app.cli import main as cli
 from partir_emu.app.experiment import ATOL, RTOL, Experiment
-from partir_emu.app.verdict import References
 from partir_emu.app.xla.child import compare_outputs
 from partir_emu.app.xla.compare import FAST_COMPILE, run_child
 from partir_emu.core.mesh import Mesh
 from partir_emu.interop import partition_specs
+from partir_emu.runtime.verdict import References
 from scenarios import get_scenario, list_scenarios
 from scenarios.common import STATE_OUTPUTS
 

@@ -18,7 +18,7 @@ how XLA's outputs compare with our LocalMesh's on the same inputs:
   output, the largest difference and its largest ratio to that tolerance);
 - when that fails, which rounding explains in two cases (Adam turns the rounding of a
   near-zero gradient into a full ``±lr`` step; a bfloat16 program rounds at 2⁻⁸), both runs are
-  judged against the float64 reference as ``partir-emu run`` judges ours (:mod:`partir_emu.app.verdict`:
+  judged against the float64 reference as ``partir-emu run`` judges ours (:mod:`partir_emu.runtime.verdict`:
   within the reach of correct runs in other summation orders, element by element), with the
   references computed once per configuration: ``xla_verified``, ``ours_verified``.
 
@@ -42,13 +42,13 @@ from jax.sharding import NamedSharding
 
 from partir_emu.api import lower_program
 from partir_emu.app.experiment import ATOL, RTOL, Experiment
-from partir_emu.app.verdict import References, Verdict, compute_precision, judge_references, reduction_length
 from partir_emu.app.xla.hlo import collectives, spmd_collectives
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError
 from partir_emu.interop import JaxShardings, to_jax
 from partir_emu.runtime.local_mesh import LocalMesh
+from partir_emu.runtime.verdict import References, Verdict, compute_precision, judge_references, reduction_length
 
 # (scenario, size, overrides, seed) -> References: the inputs depend on the configuration only, so
 # every strategy and mesh of one configuration shares its references
