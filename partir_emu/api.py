@@ -15,6 +15,7 @@ only when something is traced; ``import partir_emu`` loads this module only when
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from partir_emu.compiler.tactics import AutomaticPartition, CostModel, Tactic
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.errors import ArgumentError
+from partir_emu.errors import ArgumentError, PartitionWarning
 from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.runtime.kernels import check_kernels
@@ -137,6 +138,8 @@ class Jitted:
             jax = _jax()
             low.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
             self._cache[key] = low
+            for line in low.warnings:     # once per lowering, as the CLI prints them once per run
+                warnings.warn(line, PartitionWarning, stacklevel=3)
         return self._cache[key]
 
     def __call__(self, *args: Any):

@@ -11,6 +11,12 @@ class PartirError(Exception):
     """Base class of every error partir_emu raises on bad input."""
 
 
+class PartitionWarning(UserWarning):
+    """A schedule lowered, but a tactic's own decisions conflict (:mod:`partir_emu.compiler.conflicts`):
+    ``pe.jit`` warns with each line of ``Lowered.warnings`` when it lowers (the CLI prints them to
+    stderr). Filter it like any warning: ``warnings.simplefilter("error", pe.PartitionWarning)``."""
+
+
 class MeshError(PartirError):
     """A mesh is malformed, or an axis name is unknown to it."""
 

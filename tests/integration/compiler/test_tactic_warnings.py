@@ -61,3 +61,35 @@ def test_the_cli_prints_warnings_to_stderr(capsys, monkeypatch):
         out, err = capsys.readouterr()
         assert "warning: tactic 'x': 3 conflict(s)\n" in err, cmd
         assert "warning:" not in out
+
+
+def _user_step():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def step(params, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(params)
+        return loss, {k: params[k] - 0.1 * g[k] for k in params}
+
+    params = {"w1": np.ones((8, 8), np.float32), "w2": np.ones((8, 4), np.float32)}
+    return step, (params, np.ones((8, 8), np.float32))
+
+
+def test_pe_jit_warns_with_each_line_when_it_lowers():
+    """In the Python API the lines are Python warnings (the CLI prints them): once per lowering."""
+    import warnings
+
+    import partir_emu as pe
+    step, args = _user_step()
+    one = pe.jit(step, mesh=pe.Mesh(batch=2), schedule=[
+        pe.ManualPartition({"x": 0, "params/w1": 0, "params/w2": 0}, axis="batch", name="bp+z3")])
+    with pytest.warns(pe.PartitionWarning, match=r"^tactic 'bp\+z3' on axis 'batch': \d+ conflict") as got:
+        one(*args)
+    assert [str(w.message) for w in got if w.category is pe.PartitionWarning] == one.lower(*args).warnings
+    two = pe.jit(step, mesh=pe.Mesh(batch=2), schedule=[
+        pe.ManualPartition({"x": 0}, axis="batch"), pe.ManualPartition({"params/*": 0}, axis="batch")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pe.PartitionWarning)
+        one(*args)          # lowered already: not warned again
+        two(*args)          # the ZeRO idiom: intended conflicts, nothing to warn about
