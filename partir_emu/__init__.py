@@ -4,12 +4,18 @@ an analytical hardware model and a discrete-event validator.
 Importing ``partir_emu`` imports nothing else: every name here loads its module on first use
 (``jit``, ``trace`` and ``lower_program`` load jax, which MPI ranks and the hardware models never
 need), so the command line can take the stop signals before anything heavy is imported
-(:mod:`partir_emu.app.cli.entry`).
+(:mod:`partir_emu.app.cli.entry`). In a rank of a user's ``mpirun`` that imports it before numpy,
+it defaults the BLAS thread variables to the rank's share of the host's cores
+(:func:`partir_emu.mpi.environ.set_blas_threads`; a value already set is kept).
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from partir_emu.mpi.environ import set_blas_threads
+
+set_blas_threads()
 
 if TYPE_CHECKING:
     from partir_emu.api import jit, lower_program, trace

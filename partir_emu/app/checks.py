@@ -34,8 +34,8 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import UsageError
 from partir_emu.hwmodels.compute.memory import peak_memory
+from partir_emu.mpi.environ import mpirun_rank
 from partir_emu.mpi.jobs import MPI_ALGORITHMS
-from partir_emu.mpi.launch import mpirun_rank
 
 # The analytical model and the DES are closed-form or symmetry-reduced, but placement and the
 # schedules still walk the devices: beyond a million devices nothing answers in useful time.

@@ -7,8 +7,8 @@ deadline of its own). No rank imports jax. Rank 0 writes each job's unsharded ou
 and stats (JSON); :meth:`MpiRun.wait` returns them. (:func:`partir_emu.app.cli.mpi_run.launch`
 runs jobs that name a scenario, in a temporary work dir.)
 
-:func:`under_mpirun` tells whether this process is itself a rank of a user's ``mpirun``
-(``PMI_RANK``/``PMI_SIZE``/``OMPI_COMM_WORLD_SIZE``/``PMIX_RANK`` in the environment); then
+:func:`partir_emu.mpi.environ.under_mpirun` tells whether this process is itself a rank of a
+user's ``mpirun`` (``PMI_RANK``/``PMI_SIZE``/``OMPI_COMM_WORLD_SIZE``/``PMIX_RANK`` in the environment); then
 the app layer runs :func:`partir_emu.mpi.ranks.worker.run_job` in place instead of launching.
 
 **Failures.** A non-zero exit of mpiexec raises :class:`EmulationError` with the ranks'
@@ -45,27 +45,11 @@ from partir_emu.mpi.procs.reaper import Reaper
 from partir_emu.mpi.procs.supervise import Supervised, cleanup_shm, is_hydra, mpiexec_path
 from partir_emu.runtime.progress import read_records
 
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 _STRIP_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC_SLACK_S = 3.0       # MPIEXEC_TIMEOUT = timeout + this: the ranks' watchdogs fire first ...
 WAIT_SLACK_S = 6.0          # ... and this process waits longest, then stops the process group
 ABORT_GRACE_S = 1.5         # on an interrupt: SIGTERM, this long, SIGTERM leftovers, this long, SIGKILL
-
-
-def under_mpirun() -> bool:
-    """True inside a process started by mpirun/mpiexec (an MPI rank)."""
-    return any(v in os.environ for v in _MPI_ENV)
-
-
-def mpirun_rank() -> int | None:
-    """This process's rank under a user's mpirun (from the environment, without MPI), else None."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        try:
-            return int(os.environ[var])
-        except (KeyError, ValueError):
-            pass
-    return None
 
 
 class MpiRun:

@@ -6,7 +6,9 @@ taken first, with only the standard library loaded: until :func:`partir_emu.app.
 installs its own handlers nothing has been written or started, so a stop is one line and exit
 128 + N at once. (The interpreter's own start, before this module runs, keeps Python's defaults.)
 A signal that is ignored as the process starts (SIGHUP under ``nohup``, SIGINT in a script's
-background job) is left ignored, here and later: the parent asked for that.
+background job) is left ignored, here and later: the parent asked for that. Under a user's
+``mpirun`` the BLAS thread variables were defaulted already, before numpy is loaded, when this
+module's package was imported (:func:`partir_emu.mpi.environ.set_blas_threads`).
 """
 from __future__ import annotations
 

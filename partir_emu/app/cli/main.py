@@ -26,8 +26,8 @@ from partir_emu.app.experiment import run_local
 from partir_emu.app.outputs import check_outputs
 from partir_emu.app.xla import compare as compare_xla
 from partir_emu.errors import PartirError, UsageError
+from partir_emu.mpi.environ import mpirun_rank
 from partir_emu.mpi.interrupts import describe, exit_status, leave_now, signals_raise
-from partir_emu.mpi.launch import mpirun_rank
 from partir_emu.runtime.kernels import KERNELS
 from scenarios import get_scenario, list_scenarios
 

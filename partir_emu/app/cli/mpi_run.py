@@ -1,6 +1,6 @@
 """``partir-emu run … --backend mpi``: launch (or join) an MPI run of a scenario and verify it.
 
-Two ways to run, chosen by :func:`~partir_emu.mpi.launch.under_mpirun`:
+Two ways to run, chosen by :func:`~partir_emu.mpi.environ.under_mpirun`:
 
 **Self-launched** (no mpirun around us): ``partir-emu run mlp --mesh batch=64 --backend mpi
 --devices 64 --devices-per-rank 4``. This process traces and lowers (it alone imports jax),
@@ -50,9 +50,10 @@ from partir_emu.app.common import print_warnings
 from partir_emu.app.experiment import Experiment, flatten, load_inputs_npz, report
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, MeshError
+from partir_emu.mpi.environ import under_mpirun
 from partir_emu.mpi.interrupts import note
 from partir_emu.mpi.jobs import MPI_ALGORITHMS, save_inputs
-from partir_emu.mpi.launch import MpiRun, under_mpirun
+from partir_emu.mpi.launch import MpiRun
 from scenarios import get_scenario
 
 
