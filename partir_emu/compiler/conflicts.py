@@ -39,6 +39,14 @@ KINDS = {
 ADVICE = {
     "loop-dim": "tile another dim of the stacked operand (dim 1 or later: each iteration's slice is then tiled)",
 }
+# what to do where the conflict sits at an equation that cuts a dim into pieces or joins pieces into one
+# (a fused projection: q|k|v in one weight, split after the matmul; its gradient is their concatenation)
+PIECES = frozenset({"concatenate", "split", "slice"})
+PIECES_ADVICE = ("the equation cuts a dim into pieces or joins them (e.g. a fused q|k|v projection split into "
+                 "q, k and v, whose gradient concatenates them): a tiling of the fused dim gives each device "
+                 "parts of some pieces, not a tile of each, so it cannot carry over without resharding; splitting "
+                 "the tactic would not change that. Tile each piece's own dim instead (separate weights, or the "
+                 "fused weight reshaped so that heads are a dim of their own), or accept the all-gather here")
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ def warnings(conflicts: Sequence[Conflict], program: Program, origin_of: dict[tu
         lines.append(
             f"tactic {tactic!r} on axis {c.axis!r}: {len(cs)} conflict(s) between its own decisions "
             f"[{kind}]: {KINDS.get(kind, kind)}, e.g. {what}at [{c.eqn}] {e.prim} {e.source or '?'}; "
-            + ADVICE.get(kind, "propagation order picked the winner, so a dim may be tiled that was not meant to be: "
-                         "split the tactic, one per intent (e.g. batch inputs first, then parameters)"))
+            + (PIECES_ADVICE if e.prim in PIECES and kind not in ADVICE else
+               ADVICE.get(kind, "propagation order picked the winner, so a dim may be tiled that was not meant to "
+                                "be: split the tactic, one per intent (e.g. batch inputs first, then parameters)")))
     return lines

@@ -93,3 +93,51 @@ def test_pe_jit_warns_with_each_line_when_it_lowers():
         warnings.simplefilter("error", pe.PartitionWarning)
         one(*args)          # lowered already: not warned again
         two(*args)          # the ZeRO idiom: intended conflicts, nothing to warn about
+
+
+def _attention_step(fused: bool):
+    """GPT-2's attention (HF Conv1D layout, q|k|v fused in one [d, 3d] weight) or the same with
+    separate q, k, v weights; Megatron tiles the projections' output dim and c_proj's input dim."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    h, d = 4, 16
+
+    def heads(t):
+        return t.reshape(t.shape[0], t.shape[1], h, d // h).transpose(0, 2, 1, 3)
+
+    def loss(p, x):
+        if fused:
+            q, k, v = map(heads, jnp.split(x @ p["c_attn"]["w"] + p["c_attn"]["b"], 3, axis=-1))
+        else:
+            q, k, v = (heads(x @ p[n]) for n in ("q", "k", "v"))
+        s = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2), axis=-1)
+        return ((s @ v).transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], d) @ p["c_proj"]).sum()
+
+    w = np.random.default_rng(0).standard_normal
+    p = ({"c_attn": {"w": w((d, 3 * d)).astype(np.float32), "b": np.zeros(3 * d, np.float32)}} if fused else
+         {n: w((d, d)).astype(np.float32) for n in "qkv"})
+    p["c_proj"] = w((d, d)).astype(np.float32)
+    mp = {"p/c_attn/w": 1, "p/c_attn/b": 0} if fused else {"p/q": 1, "p/k": 1, "p/v": 1}
+    return (lambda p, x: jax.value_and_grad(loss)(p, x)), (p, np.ones((2, 8, d), np.float32)), mp
+
+
+def test_a_fused_qkv_projection_is_named_as_the_cause_not_the_tactic():
+    """The fused projection's tiling cannot carry over to q, k, v: the warning says so (and that
+    splitting the tactic would not help: split, it warns the same and gathers the same), and the
+    separate-weights form it recommends lowers with neither warning nor gather."""
+    import partir_emu as pe
+    step, args, mp = _attention_step(fused=True)
+    gathers = []
+    for schedule in ([pe.ManualPartition({**mp, "p/c_proj": 0}, axis="model")],
+                     [pe.ManualPartition(mp, axis="model"), pe.ManualPartition({"p/c_proj": 0}, axis="model")]):
+        with pytest.warns(pe.PartitionWarning, match=r"fused q\|k\|v projection .* splitting the tactic would not"):
+            low = pe.jit(step, mesh=pe.Mesh(model=2), schedule=schedule).lower(*args)
+        assert " concatenate " in low.warnings[0] and "split the tactic, one per intent" not in low.warnings[0]
+        gathers.append(sum(e.prim == "all_gather" for e in low.spmd.collectives()))
+    assert gathers[0] == gathers[1] > 0
+    step, args, mp = _attention_step(fused=False)
+    low = pe.jit(step, mesh=pe.Mesh(model=2), schedule=[pe.ManualPartition({**mp, "p/c_proj": 0}, axis="model")]
+                 ).lower(*args)
+    assert low.warnings == []
+    assert not any(e.prim == "all_gather" for e in low.spmd.collectives())
