@@ -20,7 +20,11 @@ cleanup() {
   for p in "${busy[@]}"; do kill "$p" 2>/dev/null; done
   [ -n "${KEEP:-}" ] && echo "kept $tmp" || rm -rf "$tmp"
 }
-trap cleanup EXIT INT TERM
+# a stop ends the script (the EXIT trap cleans up); trapping INT/TERM with cleanup alone went on
+# with the next run in the removed dir
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # the README's first two code blocks are its two commands
 mapfile -t cmds < <(awk '/^```/{f=!f; next} f && NF' "$top/README.md" | head -n 2)
