@@ -1,7 +1,8 @@
 """Gradient accumulation (``--set microbatches=K``, :func:`scenarios.training.train_step`): the
 accumulated loss and gradients equal the full batch's under plain ``jax.jit`` (an identity of the
 maths, checked by JAX alone); the microbatched step partitions and verifies against ``jax.jit``
-under every strategy; its collectives are the single step's, once per micro-batch, on the same axes;
+under every strategy; its collectives are the single step's, once per micro-batch, on the same axes,
+but for the data-parallel gradient all-reduces, which move out of the loop and run once;
 its activations are exactly those of a step on ``batch / K`` rows; a micro-batch the data axes
 cannot split is a clear error.
 """
@@ -64,25 +65,57 @@ def test_full_microbatched_step_with_adam_verifies():
     assert ver.verified, ver.to_json()["worst"]
 
 
+def _lowered(strategy: str, overrides: str):
+    return _exp(strategy, MESH, "tiny", overrides, strict=False).lower().spmd       # the whole step
+
+
 def _collectives(strategy: str, overrides: str) -> Counter:
-    spmd = _exp(strategy, MESH, "tiny", overrides, strict=False).lower().spmd       # the whole step
-    return Counter((c.prim, ",".join(c.params["axes"])) for c in spmd.collectives())
+    return Counter((c.prim, ",".join(c.params["axes"])) for c in _lowered(strategy, overrides).collectives())
 
 
 @pytest.mark.parametrize("strategy", ["bp", "mp", "bp+mp", "z2", "z3", "bp+mp+z3"])
 def test_collectives_repeat_once_per_microbatch(strategy):
     """Each micro-batch's forward and backward pass communicate as one step does, on the same axes:
-    bp reduces every micro-batch's gradients (all_reduce), Megatron all-reduces its activations,
-    ZeRO reduce-scatters every micro-batch's gradients into the sharded accumulator (FSDP's
-    pattern), ZeRO-3 gathers each weight for every micro-batch's forward pass and again for its
-    backward pass (the loop body's passes are told apart as the step's are); ZeRO-2 gathers the
-    updated parameters once, after the loop. Frameworks that reduce once per step (DDP's no_sync,
-    Megatron's accumulation) are not what this step is: see docs/limits.md."""
+    Megatron all-reduces its activations, ZeRO reduce-scatters every micro-batch's gradients into
+    the sharded accumulator (FSDP's pattern), ZeRO-3 gathers each weight for every micro-batch's
+    forward pass and again for its backward pass (the loop body's passes are told apart as the
+    step's are); ZeRO-2 gathers the updated parameters once, after the loop. A data-parallel
+    gradient all-reduce is the exception: accumulated into the carry, it moves out of the loop
+    (``compiler/lowering/sink.py``, DDP's ``no_sync``), so the step's G gradient all-reduces happen
+    once whatever K is, and only the loss's repeats."""
     one = _collectives(strategy, TINY)
+    n_grads = sum(name.startswith("params/") for name in _lowered(strategy, TINY).input_names)
     for k in (2, 4):
         got = _collectives(strategy, f"{TINY},microbatches={k}")
         want = Counter({key: n if (strategy, key[0]) == ("z2", "all_gather") else k * n for key, n in one.items()})
+        if strategy in ("bp", "bp+mp"):
+            want[("all_reduce", "batch")] = n_grads + k * (one[("all_reduce", "batch")] - n_grads)
         assert got == want, (k, got, one)
+
+
+@pytest.mark.parametrize("strategy", ["bp", "bp+mp"])
+def test_data_parallel_gradients_are_reduced_once_after_the_loop(strategy):
+    """``compiler/lowering/sink.py`` on the real step: the body keeps only the loss's all-reduce; each
+    gradient is all-reduced once after the loop, from a carry that entered as a pending sum
+    (``to_partial``) and kept its size."""
+    exp = Experiment("transformer", strategy, Mesh(batch=2, model=2), "tiny", "batch=8,layers=1,microbatches=4",
+                     strict=False)
+    spmd = exp.lower().spmd
+    eqns = spmd.program.eqns
+    (at,) = [i for i, e in enumerate(eqns) if e.prim == "loop"]
+    loop = eqns[at]
+    nc, nk = loop.params["num_consts"], loop.params["num_carry"]
+    n_params = sum(name.startswith("params/") for name in spmd.input_names)
+    body_ar = [e for e in loop.params["body"].eqns if e.prim == "all_reduce" and e.params["axes"] == ("batch",)]
+    assert len(body_ar) == 1                                  # the loss's, every micro-batch
+    after = [e for e in eqns[at + 1:] if e.prim == "all_reduce" and e.inputs[0] in loop.outputs[:nk]]
+    assert len(after) == n_params and all(e.params["axes"] == ("batch",) for e in after)
+    prod = spmd.program.producers()
+    for e in after:
+        k = loop.outputs.index(e.inputs[0])
+        op = loop.inputs[nc + k]
+        assert eqns[prod[op]].prim == "to_partial" and eqns[prod[op]].params["axes"] == ("batch",)
+        assert e.outputs[0].shape == op.shape                 # the accumulator keeps its size
 
 
 @pytest.mark.parametrize("strategy", ["bp", "z3"])

@@ -1,9 +1,12 @@
 """Gradient accumulation over real MPI: the microbatched transformer step (a loop whose body holds
 the micro-batch's all-gathers, reduce-scatters and Megatron all-reduces) under bp+mp+z3 on 8
-emulated devices, as 8 ranks of 1 device and 2 ranks of 4, is bit-identical to the in-process
-LocalMesh, has its peak bytes, and verifies against the unpartitioned ``jax.jit``. Two launches,
-each with a hard timeout."""
+emulated devices (and under bp+mp, whose gradient all-reduces move out of the loop), as 8 ranks
+of 1 device and 2 ranks of 4, is bit-identical to the in-process LocalMesh, has its peak bytes,
+and verifies against the unpartitioned ``jax.jit``. Two launches per strategy, each with a hard
+timeout."""
 from __future__ import annotations
+
+import pytest
 
 from partir_emu.mpi.jobs import save_inputs
 from partir_emu.mpi.launch import MpiRun
@@ -14,8 +17,11 @@ MESH = "batch=4,model=2"
 OVERRIDES = "batch=8,layers=1,microbatches=2"      # micro-batches of 4 rows: one per data-parallel device
 
 
-def test_microbatched_step_over_mpi_equals_local_mesh_and_jax(tmp_path):
-    exp, spmd = lowered("transformer", "bp+mp+z3", MESH, OVERRIDES)
+@pytest.mark.parametrize("strategy", ["bp+mp+z3", "bp+mp"])
+def test_microbatched_step_over_mpi_equals_local_mesh_and_jax(tmp_path, strategy):
+    """bp+mp also carries its gradients as pending sums and all-reduces them once after the loop
+    (``compiler/lowering/sink.py``: ``to_partial`` before the loop, one all-reduce each after)."""
+    exp, spmd = lowered("transformer", strategy, MESH, OVERRIDES)
     assert any(e.prim == "loop" for e in spmd.program.eqns)
     inputs = exp.inputs(spmd.input_names)
     prog, inp = tmp_path / "step.json", tmp_path / "step.in.npz"

@@ -13,7 +13,9 @@ tiling its stacked result has under the iteration dim. So:
 3. at the end of the body each carry output is resharded to the carry input's layout (a no-op when
    propagation reached its fixed point without conflict) and each y row to its stacked layout; a
    pending sum is always resolved there: a loop's values are whole;
-4. the loop's results take those layouts; readers after the loop reshard from them as from any
+4. an all-reduce whose result is only accumulated into a carry moves out of the body
+   (:mod:`.sink`): the carry enters as a pending sum and is all-reduced once after the loop;
+5. the loop's results take those layouts; readers after the loop reshard from them as from any
    equation's result.
 
 A narrowing cast of a gathered value in the body is moved before its gather there too
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 
 from partir_emu.compiler.loop_view import Region
 from partir_emu.compiler.lowering.gathers import body_clusters, cast_before_gather, rematerialise_gathers
+from partir_emu.compiler.lowering.sink import sink_all_reduces
 from partir_emu.compiler.state import ShardingState
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.loops import loop_eqn, parts
@@ -46,6 +49,7 @@ class LoopLowerer(Protocol):
     primal_cone: frozenset[int]
 
     def new_var(self, shape: Any, dtype: Any) -> Var: ...
+    def emit(self, prim: str, ins: Any, out_shape: Any, dtype: Any, params: Any, source: str = "") -> Var: ...
     def append(self, e: Eqn) -> None: ...
     def reshard(self, v: Var, target: Sharding, why: str) -> Var: ...
     def lower_range(self, start: int, end: int) -> None: ...
@@ -94,15 +98,29 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
     clusters = body_clusters(local_body, origin, lw.primal_cone)
     if clusters is not None:      # forward and backward in one iteration: each pass gathers its own
         local_body = rematerialise_gathers(local_body, clusters)
-    # 4. the loop equation and its results' layouts
+    # 4. an accumulated all-reduce moves out of the loop (:mod:`.sink`): its carry enters as a
+    # pending sum, and the loop's result is reduced once
+    lw.at = r.start
+    local_body, sunk = sink_all_reduces(local_body, nc, nk, frozenset(
+        k for k in range(nk) if isinstance(operands[nc + k], Var)))
+    for m in sunk:
+        op = operands[nc + m.k]
+        operands[nc + m.k] = lw.emit("to_partial", [op], op.shape, op.dtype, {"axes": m.axes},
+                                     f"carry {m.k} of {where}, reduced after the loop")
+    # 5. the loop equation and its results' layouts
     results: list[Var] = []
     for v, s in zip((*lp.carry_out, *lp.ys), (*rows[nc:nc + nk], *(Sharding(((), *s.dims)) for s in y_rows))):
         lv = lw.new_var(s.local_shape(v.shape, mesh), v.dtype)
         lw.actual[v], lw.local[v] = s, lv
         results.append(lv)
-    lw.at = r.start
-    lw.append(loop_eqn(operands[:nc], operands[nc:nc + nk], operands[nc + nk:], results[:nk], results[nk:],
+    loop_out = list(results)
+    for m in sunk:
+        loop_out[m.k] = lw.new_var(results[m.k].shape, results[m.k].dtype)
+    lw.append(loop_eqn(operands[:nc], operands[nc:nc + nk], operands[nc + nk:], loop_out[:nk], loop_out[nk:],
                        local_body, lp.length, lp.reverse, r.loop.source, r.loop.kernel))
+    for m in sunk:
+        lw.append(Eqn("all_reduce", (loop_out[m.k],), (results[m.k],), {"axes": m.axes, "op": "sum"},
+                      f"carry {m.k} of {where}, reduced once after the loop"))
 
 
 __all__ = ["LoopLowerer", "lower_loop"]
