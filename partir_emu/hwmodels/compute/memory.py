@@ -25,8 +25,8 @@ equation's (its operands and all its results live), plus the peak of its body's 
 inputs live at its start point as their own buffers; one iteration's values are gone before the next
 starts, so every iteration has the same peak). Under a stack's policy (not ``"program"``) the buffers
 rule 5 counts twice are counted once (:func:`shared_loop_buffers`: the body's consts and carry are the
-loop's operands, a donated carry-in becomes the carry result): a gradient accumulator is one
-buffer plus the micro-batch's new sum, not four. ``MemoryProfile.bodies`` keeps the body profiles added;
+loop's operands, a donated carry-in becomes the carry result) and an accumulating ``add`` writes
+into its carry-in (:func:`stack_liveness`): a gradient accumulator is one buffer, not four. ``MemoryProfile.bodies`` keeps the body profiles added;
 at a loop point the breakdown is the enclosing program's plus the body's. With overlap the body's
 profile is the one of its own schedule (its prefetch buffers included): :func:`peak_memory` takes the
 body profiles to add.
@@ -39,6 +39,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from partir_emu.core.analysis import Liveness
 from partir_emu.core.ir import Program, Var
 from partir_emu.core.loops import LOOP
 from partir_emu.core.spmd import COMM_PRIMS, SpmdProgram
@@ -67,6 +68,68 @@ class MemoryProfile:
                 "input_bytes": self.input_bytes}
 
 
+ACCUMULATE_PRIMS = frozenset({"add", "add_any"})
+VIEW_PRIMS = frozenset({"reshape"})
+
+
+def stack_liveness(prog: Program, policy: str) -> tuple[Liveness, frozenset[int]]:
+    """:func:`.saved_liveness` plus the buffers a stack shares between values (not under the runtime's
+    ``"program"`` convention, where every Var is its own buffer). Returns the lifetimes and the ids
+    of the values that take no buffer of their own:
+
+    * **views**: a ``reshape`` is a view of its operand's storage (PyTorch's ``view``, XLA's
+      bitcast of a row-major array), so its result shares the operand's buffer, which lives until
+      the last reader of either (a flash kernel's output and the same bytes reshaped for the output
+      projection are one buffer, not two);
+    * **in-place accumulation**: an ``add`` that reads an input of ``prog`` for the last time and
+      makes one of its outputs of the same size (a loop body's ``acc + g`` into its carry) writes into
+      the input's buffer, as PyTorch's ``AccumulateGrad`` (``.grad += g``), FSDP's sharded gradient
+      accumulation and XLA's aliasing of a while loop's carry do; the input then lives to the end of
+      ``prog`` (it *is* the output).
+    """
+    lv = saved_liveness(prog, policy)
+    if policy == "program":
+        return lv, frozenset()
+    end = len(prog.eqns)
+    zero = on_chip(prog, policy)
+    ins = {v.id for v in prog.inputs}
+    outs = {o.id for o in prog.outputs if type(o) is Var}
+    last = dict(lv.last_use)
+    released = {v.id: i for i, gone in enumerate(lv.after) for v in gone}
+    var = {v.id: v for v in lv.initial} | {o.id: o for e in prog.eqns for o in e.outputs}
+    shared: set[int] = set()
+    root: dict[int, int] = {}                 # a view's id -> the id of the buffer it shares
+
+    def extend(vid: int, to: int) -> None:
+        if to > last.get(vid, -1):
+            last[vid] = to
+            released.pop(vid, None)
+            if to < end:
+                released[vid] = to
+
+    for i, e in enumerate(prog.eqns):
+        if e.prim in VIEW_PRIMS and type(e.inputs[0]) is Var and e.inputs[0].id not in zero \
+                and e.outputs[0].id not in zero:
+            o, r = e.outputs[0], root.get(e.inputs[0].id, e.inputs[0].id)
+            root[o.id] = r
+            shared.add(o.id)
+            extend(r, last.get(o.id, i))
+        elif e.prim in ACCUMULATE_PRIMS and len(e.outputs) == 1 and e.outputs[0].id in outs \
+                and e.outputs[0].id not in shared:
+            o = e.outputs[0]
+            a = next((a for a in e.inputs if type(a) is Var and a.id in ins and a.id not in root
+                      and last.get(a.id) == i and nbytes_of(a) == nbytes_of(o)), None)
+            if a is not None:
+                shared.add(o.id)
+                extend(a.id, end)
+    if not shared:
+        return lv, frozenset()
+    after: list[list[Var]] = [[] for _ in prog.eqns]
+    for vid, i in released.items():
+        after[i].append(var[vid])
+    return Liveness(lv.initial, MappingProxyType(last), lv.at_start, tuple(after)), frozenset(shared)
+
+
 def _category(name: str) -> str:
     head = name.split("/", 1)[0]
     if head in PARAM_PREFIXES:
@@ -86,8 +149,8 @@ def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfi
     prog = program.program if isinstance(program, SpmdProgram) else program
     if bodies is None:
         bodies = loop_bodies(prog, policy)
-    lv = saved_liveness(prog, policy)
-    size = _sizes(prog, lv.initial, on_chip(prog, policy))
+    lv, inplace = stack_liveness(prog, policy)
+    size = _sizes(prog, lv.initial, on_chip(prog, policy) | inplace)
     live = input_bytes = sum(size[v.id] for v in lv.initial)
     points = [live]
     live -= sum(size[v.id] for v in lv.at_start)
@@ -135,9 +198,10 @@ def shared_loop_buffers(prog: Program, at: int, last: Mapping[int, int], body: M
     eager stack runs a loop in its operands' buffers: the body's consts and carry *are* the loop's
     operands (XLA's while-loop parameters alias its operand tuple; an accumulating ``.grad`` is one
     tensor), and a carry result takes over its carry-in buffer when the loop is that operand's last use
-    (the carry is donated). Counted once, at the enclosing program's operands. The body's new carry
-    still counts beside the old one until the iteration ends (no in-place update is assumed), and the
-    x rows and the stacked ys keep their own buffers."""
+    (the carry is donated). Counted once, at the enclosing program's operands. A new carry made by
+    accumulating into the old one takes its buffer (:func:`stack_liveness`); any other new carry
+    counts beside the old one until the iteration ends, and the x rows and the stacked ys keep their
+    own buffers."""
     if policy == "program":
         return {}
     e = prog.eqns[at]
@@ -147,7 +211,7 @@ def shared_loop_buffers(prog: Program, at: int, last: Mapping[int, int], body: M
         if type(a) is Var and last.get(a.id) == at and nbytes_of(a) == nbytes_of(o):
             out["temporaries"] = out.get("temporaries", 0) + nbytes_of(o)
     b = e.params["body"]
-    blast = saved_liveness(b, policy).last_use
+    blast = stack_liveness(b, policy)[0].last_use
     for v, name in list(zip(b.inputs, b.input_names))[:nc + nk]:
         if body.peak_at == -1 or blast.get(v.id, -1) >= body.peak_at:
             cat = _category(name)
@@ -168,8 +232,8 @@ def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] 
                  policy: str = "program") -> dict[str, int]:
     """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start); at a
     loop point plus ``bodies[at]``'s (the body profile added there)."""
-    lv = saved_liveness(program, policy)
-    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial, on_chip(program, policy)))
+    lv, inplace = stack_liveness(program, policy)
+    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial, on_chip(program, policy) | inplace))
     return _with_body(bd, bodies.get(at) if bodies else None, program, at, lv.last_use, policy)
 
 
