@@ -168,6 +168,16 @@ class FidelityReport:
         return {"n": len(errs), "median_abs_error_pct": statistics.median(errs) if errs else None,
                 "max_abs_error_pct": max(errs) if errs else None}
 
+    def misfits(self) -> list[FidelityResult]:
+        """The runs the model says do not fit in HBM: every case is a run that ran, so each is a miss."""
+        return [r for r in self.results if not r.sim.fits]
+
+    def memory_line(self) -> str:
+        miss = self.misfits()
+        line = f"memory: {len(self.results) - len(miss)} of {len(self.results)} runs that ran are predicted to fit"
+        return line + "".join(f"; {r.case.case} needs {r.sim.needed_bytes / 2**30:.1f} of "
+                              f"{r.sim.hbm_bytes / 2**30:.1f} GiB" for r in miss)
+
     def to_json(self) -> dict[str, Any]:
         req = self.summary("required")
         groups = sorted({r.case.group for r in self.results})
@@ -177,6 +187,7 @@ class FidelityReport:
             "median_abs_error_pct": req["median_abs_error_pct"], "max_abs_error_pct": req["max_abs_error_pct"],
             "targets": {"median_abs_error_pct": MEDIAN_TARGET_PCT, "max_abs_error_pct": MAX_TARGET_PCT},
             "by_group": {g: self.summary(g) for g in groups}, "all": self.summary(None),
+            "memory": {"n": len(self.results), "not_fitting": [r.case.case for r in self.misfits()]},
             "overlap": True, "wall_s": self.wall_s, "lower_s": self.lower_s,
         }
 
@@ -200,6 +211,8 @@ class FidelityReport:
             lines.append(f"{g}: median |error| {s['median_abs_error_pct']:.1f}%, max {s['max_abs_error_pct']:.1f}% "
                          f"(n = {s['n']})" + (f"; targets <= {MEDIAN_TARGET_PCT:g}% and <= {MAX_TARGET_PCT:g}%"
                                               if g == "required" else ""))
+        if self.results:
+            lines.append(self.memory_line())
         lines.append("MFU/HFU pub: as the source prints it (Megatron's '% of peak' counts the recomputation: "
                      "an HFU); error = (predicted - measured) / measured in the source's metric")
         lines.append(f"({self.wall_s:.1f} s, of which lowering {self.lower_s:.1f} s)")
