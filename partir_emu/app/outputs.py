@@ -1,8 +1,8 @@
 """The files a command writes, checked before any work: an output never destroys an input.
 
 Every file the command line writes (``--report``, ``--plot``, ``--output``, ``--hlo``,
-``--trace-messages``, ``simulate-des --trace``) is named in :data:`OUTPUTS`. Before a command runs,
-:func:`check_outputs` refuses (a :class:`~partir_emu.errors.UsageError`: exit 2, one line):
+``--trace-messages``, ``simulate-des --trace``, ``check --junit``) is named in :data:`OUTPUTS`.
+Before a command runs, :func:`check_outputs` refuses (a :class:`~partir_emu.errors.UsageError`: exit 2, one line):
 
 - an output that is, after following symlinks, the same file as any file the same command reads
   (every other argument that names an existing file: ``--hardware my.toml``, ``--cases``,
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from partir_emu.errors import UsageError
 
-OUTPUTS = ("report", "plot", "output", "hlo", "trace_messages", "trace")
+OUTPUTS = ("report", "plot", "output", "hlo", "trace_messages", "trace", "junit")
 READS_TRACE = ("replay",)          # commands whose ``trace`` is an input, not an output
 
 

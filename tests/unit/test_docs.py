@@ -1,6 +1,7 @@
 """The code blocks of README.md and docs/*.md are real: Python blocks run, command lines parse.
 
-Blocks are fenced with a language: ``python`` (run in a fresh interpreter, must exit 0), ``sh``
+Blocks are fenced with a language: ``python`` (run in a fresh interpreter, must exit 0), ``toml``
+(parsed; a claims file must load as ``partir-emu check`` loads it), ``sh``
 (command lines: each ``partir-emu ...`` line, also under ``mpirun``/``mpiexec``, is parsed by the
 real command-line parser, and for a command that names a scenario the scenario, size, overrides,
 mesh and strategy are resolved as the command would, without running it; ``make`` targets must
@@ -27,7 +28,7 @@ from tests.conftest import wall
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LANGS = ("python", "sh", "text")
+LANGS = ("python", "sh", "toml", "text")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ def _blocks(path: Path) -> list[Block]:
 BLOCKS = [b for p in DOCS for b in _blocks(p)]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 SHELL = [b for b in BLOCKS if b.lang == "sh"]
+TOML = [b for b in BLOCKS if b.lang == "toml"]
 
 
 def _commands(block: Block) -> list[list[str]]:
@@ -85,6 +87,19 @@ def test_every_block_says_what_it_is():
     bad = [f"{b}: ```{b.lang}" for b in BLOCKS if b.lang not in LANGS]
     assert not bad, f"code blocks need one of {LANGS} after the fence:\n" + "\n".join(bad)
     assert PYTHON and SHELL
+
+
+@pytest.mark.parametrize("block", TOML, ids=str)
+def test_toml_blocks_parse_and_claims_files_load(block, tmp_path):
+    """A ``toml`` block is TOML; one with ``[[claim]]`` entries is a whole claims file that
+    ``partir-emu check`` accepts (every configuration it names is in the block)."""
+    from partir_emu.app.claims.claims_file import load_claims
+    from partir_emu.limits import tomllib
+
+    tomllib.loads(block.text)
+    if "[[claim]]" in block.text:
+        (tmp_path / "claims.toml").write_text(block.text)
+        load_claims(tmp_path / "claims.toml")
 
 
 @pytest.mark.parametrize("block", SHELL, ids=str)
@@ -139,6 +154,7 @@ README_COMMANDS = [tokens for b in SHELL if b.path.name == "README.md" for token
 @pytest.mark.parametrize("tokens", README_COMMANDS, ids=lambda t: " ".join(t[1:4]))
 def test_the_readme_commands_run(tokens, tmp_path):
     exe = Path(sys.executable).parent / "partir-emu"
-    out = subprocess.run([str(exe), *tokens[1:], "--report", str(tmp_path / "r.json")], cwd=tmp_path,
+    args = [str(ROOT / t) if (ROOT / t).is_file() else t for t in tokens[1:]]     # the repository's files
+    out = subprocess.run([str(exe), *args, "--report", str(tmp_path / "r.json")], cwd=tmp_path,
                          capture_output=True, text=True, timeout=wall(600), env=dict(os.environ))
     assert out.returncode == 0, f"{' '.join(tokens)} exits {out.returncode}:\n{out.stderr[-2000:]}"

@@ -43,6 +43,7 @@ def _t(s: float) -> str:
 
 def assert_faster(a: Prediction, b: Prediction, by: float = 0.0) -> None:
     """``a``'s step is at least ``by`` (a fraction: 0.10 = 10 %) shorter than ``b``'s."""
+    __tracebackhide__ = True          # pytest: show the claim's message, not this frame
     if not 0 <= by < 1:
         raise UsageError(f"assert_faster: by={by!r} is a fraction of b's step in [0, 1), e.g. 0.10 for 10 %")
     gain = 1 - a.step_s / b.step_s
@@ -55,6 +56,7 @@ def assert_faster(a: Prediction, b: Prediction, by: float = 0.0) -> None:
 def assert_fits(r: Prediction, hbm: int | float | str | None = None) -> None:
     """The step fits in ``hbm`` per device (default: the chip's HBM), counting what the stack's
     allocator and reserved memory need beside the peak (``needed_bytes``)."""
+    __tracebackhide__ = True          # pytest: show the claim's message, not this frame
     limit = float(r.hbm_bytes) if hbm is None else parse_bytes(hbm)
     need = max(float(r.needed_bytes), float(r.peak_bytes))
     if need > limit:
@@ -64,6 +66,7 @@ def assert_fits(r: Prediction, hbm: int | float | str | None = None) -> None:
 
 def assert_within(r: Prediction, measured_s: float, rel: float = 0.08) -> None:
     """The predicted step is within ``rel`` (a fraction) of a measured step time in seconds."""
+    __tracebackhide__ = True          # pytest: show the claim's message, not this frame
     if measured_s <= 0 or rel < 0:
         raise UsageError(f"assert_within: measured_s={measured_s!r} must be > 0 s and rel={rel!r} >= 0")
     err = (r.step_s - measured_s) / measured_s
@@ -81,6 +84,7 @@ def _sum_kind(counts: Mapping[str, int], key: str) -> int:
 def assert_collectives(r: Prediction, expected: Mapping[str, int], *, only: bool = False) -> None:
     """Each key of ``expected`` (``"all_reduce@batch"``, or a kind alone, ``"all_gather"``, for its
     count over every axis) has that count; with ``only``, no other collective kind/axes is present."""
+    __tracebackhide__ = True          # pytest: show the claim's message, not this frame
     lines = [f"{k}: expected {n}, got {_sum_kind(r.collectives, k)}" for k, n in expected.items()
              if _sum_kind(r.collectives, k) != n]
     if only:
@@ -94,6 +98,7 @@ def assert_collectives(r: Prediction, expected: Mapping[str, int], *, only: bool
 def assert_verified(run: Any) -> None:
     """A run verified against ``jax.jit``: ``fn.verify(...)``'s Verdict, or a run report (a dict
     with ``"verified"``, as ``partir-emu run --report`` writes)."""
+    __tracebackhide__ = True          # pytest: show the claim's message, not this frame
     if isinstance(run, Mapping):
         ok, why = run.get("verified"), run.get("verdict") or run.get("worst") or ""
         if ok is None:

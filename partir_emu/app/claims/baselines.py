@@ -83,11 +83,13 @@ class Baselines:
     """The snapshots of one test: files ``directory / baseline_name(test_name, name)``."""
 
     def __init__(self, directory: str | os.PathLike, test_name: str, *, update: bool = False,
-                 tolerances: Mapping[str, float] | None = None) -> None:
+                 tolerances: Mapping[str, float] | None = None,
+                 update_with: str = "pytest --partir-update-baselines") -> None:
         self.directory = Path(directory)
         self.test_name = test_name
         self.update = update
         self.tolerances = {**DEFAULT_TOLERANCES, **(tolerances or {})}
+        self.update_with = update_with       # the command that rewrites the snapshots, for the messages
         self.written: list[Path] = []
 
     def path(self, name: str = "") -> Path:
@@ -95,6 +97,7 @@ class Baselines:
 
     def check(self, pred: Prediction, name: str = "", *, tolerances: Mapping[str, float] | None = None) -> None:
         """Compare ``pred`` with the snapshot ``name`` of this test (or write it, when updating)."""
+        __tracebackhide__ = True      # pytest: show the figures that moved, not this frame
         tol = {**self.tolerances, **(tolerances or {})}
         unknown = set(tol) - set(DEFAULT_TOLERANCES)
         if unknown:
@@ -106,18 +109,18 @@ class Baselines:
             self._write(path, pred, figures, tol)
             return
         if not path.exists():
-            raise ClaimFailed(f"no baseline {path} for {pred.label}: run pytest --partir-update-baselines to "
+            raise ClaimFailed(f"no baseline {path} for {pred.label}: run {self.update_with} to "
                               f"write it, then review and commit it")
         try:
             data = json.loads(path.read_text())
             old = data["figures"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ClaimFailed(f"baseline {path} is not a partir-emu baseline ({exc}); rewrite it with "
-                              f"pytest --partir-update-baselines") from None
+                              f"{self.update_with}") from None
         lines = diff_figures(old, figures, tol)
         if lines:
             raise ClaimFailed(f"baseline {path} ({pred.label}):\n  " + "\n  ".join(lines)
-                              + "\n(if the change is intended: pytest --partir-update-baselines, then review the diff)")
+                              + f"\n(if the change is intended: {self.update_with}, then review the diff)")
 
     def _write(self, path: Path, pred: Prediction, figures: dict[str, Any], tol: Mapping[str, float]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,9 @@ predicts: the plugin itself stays light.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any
 
-from partir_emu.app.claims.prediction import Prediction, count_collectives
+from partir_emu.app.claims.prediction import Prediction, as_mesh, as_overrides, count_collectives
 from partir_emu.app.cli.simulate import choose_placement, model_flops_per_device
 from partir_emu.app.experiment import Experiment
 from partir_emu.core.mesh import Mesh
@@ -21,24 +20,6 @@ from partir_emu.errors import UsageError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.compute.stack import load_stack
 from partir_emu.hwmodels.machine.specs import load_spec
-
-
-def _mesh(mesh: Any) -> Mesh:
-    if isinstance(mesh, Mesh):
-        return mesh
-    if isinstance(mesh, Mapping):
-        return Mesh(tuple((str(k), int(v)) for k, v in mesh.items()))
-    if isinstance(mesh, str):
-        return Mesh.parse(mesh)
-    raise UsageError(f"predict: mesh {mesh!r} is neither a Mesh, a dict of axis sizes nor text like 'batch=8,model=2'")
-
-
-def _overrides(settings: Any) -> str | None:
-    if settings is None or isinstance(settings, str):
-        return settings
-    if isinstance(settings, Mapping):
-        return ",".join(f"{k}={v}" for k, v in settings.items())
-    raise UsageError(f"predict: set={settings!r} is neither text like 'batch=8,layers=2' nor a dict")
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,11 +42,11 @@ def predict(what: Any, strategy: str | None = None, mesh: Any = None, hardware: 
         if strategy is None or mesh is None:
             raise UsageError(f"predict({what!r}): a scenario needs strategy= and mesh= (e.g. strategy='bp', "
                              f"mesh='batch=8')")
-        m = _mesh(mesh)
-        exp, spmd = _lowered(what, strategy, m, size, _overrides(set))
+        m = as_mesh(mesh)
+        exp, spmd = _lowered(what, strategy, m, size, as_overrides(set))
         model_flops = model_flops_per_device(exp)
         inputs: dict[str, Any] = {"scenario": what, "strategy": strategy, "mesh": dict(m.axes),
-                                  "size": size, "set": _overrides(set)}
+                                  "size": size, "set": as_overrides(set)}
         name = label or f"{what} {strategy} on {m}"
     else:
         if strategy is not None or mesh is not None or size is not None or set is not None:

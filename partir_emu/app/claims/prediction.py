@@ -7,8 +7,12 @@ GiB", "the collective counts do not change") is a statement about :class:`Predic
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from partir_emu.core.mesh import Mesh
+from partir_emu.errors import UsageError
 
 TIME_FIGURES = ("step_s", "compute_s", "exposed_comm_s")
 FIGURES = (*TIME_FIGURES, "peak_bytes", "flops_per_device", "fits", "collectives")
@@ -37,6 +41,24 @@ class Prediction:
         return {k: (dict(self.collectives) if k == "collectives" else getattr(self, k)) for k in FIGURES}
 
 
+def as_mesh(mesh: Any) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, Mapping):
+        return Mesh(tuple((str(k), int(v)) for k, v in mesh.items()))
+    if isinstance(mesh, str):
+        return Mesh.parse(mesh)
+    raise UsageError(f"predict: mesh {mesh!r} is neither a Mesh, a dict of axis sizes nor text like 'batch=8,model=2'")
+
+
+def as_overrides(settings: Any) -> str | None:
+    if settings is None or isinstance(settings, str):
+        return settings
+    if isinstance(settings, Mapping):
+        return ",".join(f"{k}={v}" for k, v in settings.items())
+    raise UsageError(f"predict: set={settings!r} is neither text like 'batch=8,layers=2' nor a dict")
+
+
 def collective_key(prim: str, axes: Any) -> str:
     return f"{prim}@{','.join(axes)}"
 
@@ -47,4 +69,4 @@ def count_collectives(spmd: Any) -> dict[str, int]:
     return dict(sorted(Counter(collective_key(e.prim, e.params["axes"]) for e in spmd.collectives()).items()))
 
 
-__all__ = ["FIGURES", "TIME_FIGURES", "Prediction", "collective_key", "count_collectives"]
+__all__ = ["FIGURES", "TIME_FIGURES", "Prediction", "as_mesh", "as_overrides", "collective_key", "count_collectives"]

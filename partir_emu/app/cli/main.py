@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from partir_emu.app import checks
 from partir_emu.app.atomic import atomic_path
+from partir_emu.app.cli import check as check_cli
 from partir_emu.app.cli import des as des_cli
 from partir_emu.app.cli import exits
 from partir_emu.app.cli import fidelity as fidelity_cli
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate_cli.add_subcommands(sub)
     fidelity_cli.add_subcommands(sub)
+    check_cli.add_subcommands(sub)
     des_cli.add_subcommands(sub)
     compare_xla.add_subcommands(sub)
     return ap
