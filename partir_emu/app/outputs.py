@@ -1,7 +1,7 @@
 """The files a command writes, checked before any work: an output never destroys an input.
 
 Every file the command line writes (``--report``, ``--plot``, ``--output``, ``--hlo``,
-``--trace-messages``, ``simulate-des --trace``, ``check --junit``) is named in :data:`OUTPUTS`.
+``--trace-messages``, ``simulate-des --trace``, ``check --junit``, ``study --csv``) is named in :data:`OUTPUTS`.
 Before a command runs, :func:`check_outputs` refuses (a :class:`~partir_emu.errors.UsageError`: exit 2, one line):
 
 - an output that is, after following symlinks, the same file as any file the same command reads
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from partir_emu.errors import UsageError
 
-OUTPUTS = ("report", "plot", "output", "hlo", "trace_messages", "trace", "junit")
+OUTPUTS = ("report", "plot", "output", "hlo", "trace_messages", "trace", "junit", "csv")
 READS_TRACE = ("replay",)          # commands whose ``trace`` is an input, not an output
 
 

@@ -128,8 +128,8 @@ def _resolve(ns: argparse.Namespace, where: str) -> None:
     """Scenario, size, overrides, mesh and strategy as the command resolves them, without running."""
     if not all(hasattr(ns, a) for a in ("scenario", "strategy", "mesh", "size", "overrides")):
         return
-    if ns.strategy == "all":
-        return
+    if ns.strategy == "all" or "," in ns.strategy or ns.mesh == "auto":
+        return                    # a study's grid: it resolves (and reports) each configuration itself
     try:
         exp = experiment_from_args(ns)
         assert exp.schedule is not None

@@ -25,6 +25,7 @@ from partir_emu.app.cli.phases import Phases
 from partir_emu.app.common import add_experiment_args, experiment_from_args, print_warnings, write_report
 from partir_emu.app.experiment import run_local
 from partir_emu.app.outputs import check_outputs
+from partir_emu.app.study import cli as study_cli
 from partir_emu.app.xla import compare as compare_xla
 from partir_emu.errors import PartirError, UsageError
 from partir_emu.mpi.environ import mpirun_rank
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_cli.add_subcommands(sub)
     fidelity_cli.add_subcommands(sub)
     check_cli.add_subcommands(sub)
+    study_cli.add_subcommands(sub)
     des_cli.add_subcommands(sub)
     compare_xla.add_subcommands(sub)
     return ap

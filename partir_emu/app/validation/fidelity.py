@@ -29,10 +29,11 @@ from typing import Any
 from partir_emu.app import checks
 from partir_emu.app.cli.simulate import model_flops_per_device
 from partir_emu.app.experiment import Experiment
+from partir_emu.app.plotting import new_figure
 from partir_emu.app.programs import ProgramCache
 from partir_emu.app.validation.fidelity_data import CONVENTIONS, FidelityDataError, PublishedRun
 from partir_emu.core.mesh import Mesh
-from partir_emu.errors import PartirError, UsageError
+from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
 from partir_emu.hwmodels.compute.stack import StackSpec, load_stack
 from partir_emu.hwmodels.machine.slices import chips_limit
@@ -220,11 +221,7 @@ class FidelityReport:
 
     def plot(self, path: str) -> None:
         """Measured vs predicted step time (log-log), one labelled point per case, with ±5 % and ±12 % bands."""
-        try:
-            from matplotlib.figure import Figure  # why: a heavy optional import, needed only to draw
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install matplotlib (or drop --plot)") from None
-        fig = Figure(figsize=(6.4, 6.0))
+        fig = new_figure((6.4, 6.0))
         ax = fig.subplots()
         xs = [r.measured_step_s for r in self.results] + [r.predicted_step_s for r in self.results]
         lo, hi = min(xs) / 1.5, max(xs) * 1.5

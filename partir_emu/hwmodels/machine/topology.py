@@ -74,7 +74,9 @@ class Topology:
         self.links = links
         self.name = name
         self.leaf_of: Mapping[int, str] = dict(leaf_of or {})
-        self.key: tuple = (name, kind, dims, wrap, len(links),
+        # why no name: prices depend only on what is here, so two specs with the same network (a
+        # what-if of the chip's HBM or FLOPs, say) share their collective prices
+        self.key: tuple = (kind, dims, wrap, len(links),
                            tuple(sorted({(lk.kind, lk.bw_bytes_per_s, lk.latency_s) for lk in links})),
                            tuple(sorted(set(self.leaf_of.values()))))
         self._by_ends: dict[tuple[Node, Node], Link] = {(lk.src, lk.dst): lk for lk in links}
