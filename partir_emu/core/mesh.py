@@ -6,6 +6,7 @@ which MPI rank or which chip a device is, is decided later by ``runtime/`` or
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -119,14 +120,7 @@ class Mesh:
     def groups(self, axes: Sequence[str]) -> list[list[int]]:
         """All device groups over ``axes``; each ordered by mesh coordinates over ``axes``
         (major→minor in the order given). Identical for every backend."""
-        axes = tuple(axes)
-        others = [n for n in self.axis_names if n not in axes]
-        result: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        for d in range(self.size):
-            c = self.coords(d)
-            key = tuple(c[o] for o in others)
-            result.setdefault(key, []).append((self.group_index(d, axes), d))
-        return [[d for _, d in sorted(g)] for _, g in sorted(result.items())]
+        return [list(g) for g in _groups(self, tuple(axes))]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mesh) and other.axes == self.axes
@@ -148,3 +142,16 @@ class Mesh:
         return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self.axes) + ")"
 
     __repr__ = __str__
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(mesh: Mesh, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """:meth:`Mesh.groups`, kept per (mesh, axes): a mesh is immutable, and pricing asks for the same
+    groups on every placement and collective (a study: thousands of times)."""
+    others = [n for n in mesh.axis_names if n not in axes]
+    result: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for d in range(mesh.size):
+        c = mesh.coords(d)
+        key = tuple(c[o] for o in others)
+        result.setdefault(key, []).append((mesh.group_index(d, axes), d))
+    return tuple(tuple(d for _, d in sorted(g)) for _, g in sorted(result.items()))

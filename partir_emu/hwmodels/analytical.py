@@ -159,13 +159,40 @@ class Analyzer:
         return placement
 
     def price(self, program: Program, spec: HardwareSpec, model: CommModel, overlap: bool,
-              prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0) -> Priced:
+              prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0,
+              memory: bool = True) -> Priced:
         """The times, step and memory of one run of ``program`` (:func:`.pricing.price`), on what this
         analyzer keeps."""
         pr = price(self.entry(program), spec, model, overlap, prefetch_bytes, comm_streams=comm_streams,
-                   compute_scale=compute_scale)
+                   compute_scale=compute_scale, memory=memory)
         self.eqns_priced += pr.walked
         return pr
+
+    def _model(self, spmd: SpmdProgram, placement: Placement, algorithms: str | dict[str, str] | None,
+               comm_streams: int, stragglers: Mapping[int, float] | None,
+               degraded_links: Mapping[str, float] | None, failed_links: Sequence[str]
+               ) -> tuple[CommModel, dict[int, float]]:
+        """The collective model of a run on ``placement`` with its faults, and the checked stragglers."""
+        if int(comm_streams) != comm_streams or comm_streams < 1:
+            raise FaultError(f"comm_streams={comm_streams} must be a whole number >= 1")
+        slow = check_stragglers(stragglers, spmd.mesh.size)
+        factors = link_factors(placement.topology, degraded_links or {}, failed_links)
+        return CommModel(placement, algorithms, self.prices, factors), slow
+
+    def step(self, spmd: SpmdProgram, spec: HardwareSpec | str,
+             placement: Placement | str | Mapping | None = None, overlap: bool = False, *,
+             algorithms: str | dict[str, str] | None = None, slice_dims: tuple[int, ...] | None = None,
+             prefetch_bytes: int | None = None, comm_streams: int = 1,
+             stragglers: Mapping[int, float] | None = None, degraded_links: Mapping[str, float] | None = None,
+             failed_links: Sequence[str] = (), model_flops: float | None = None) -> float:
+        """``simulate(...).step_s`` without the report (no overlap memory profile, no breakdowns, no
+        collective rows): what a placement search ranks by, at a fraction of the cost. ``model_flops``
+        is accepted and ignored (it changes only the report's MFU)."""
+        spec = self.spec(spec)
+        placement = self.placement(spmd.mesh, spec, placement, slice_dims)
+        model, slow = self._model(spmd, placement, algorithms, comm_streams, stragglers, degraded_links, failed_links)
+        return self.price(spmd.program, spec, model, overlap, prefetch_bytes, int(comm_streams),
+                          straggler_scale(slow, spmd.mesh.size), memory=False).step_s
 
     def simulate(self, spmd: SpmdProgram, spec: HardwareSpec | str,
                  placement: Placement | str | Mapping | None = None, overlap: bool = False, *,
@@ -177,11 +204,7 @@ class Analyzer:
         """As the module's :func:`simulate`, with what this analyzer keeps."""
         spec = self.spec(spec)
         placement = self.placement(spmd.mesh, spec, placement, slice_dims)
-        if int(comm_streams) != comm_streams or comm_streams < 1:
-            raise FaultError(f"comm_streams={comm_streams} must be a whole number >= 1")
-        slow = check_stragglers(stragglers, spmd.mesh.size)
-        factors = link_factors(placement.topology, degraded_links or {}, failed_links)
-        model = CommModel(placement, algorithms, self.prices, factors)
+        model, slow = self._model(spmd, placement, algorithms, comm_streams, stragglers, degraded_links, failed_links)
         faults = tuple(model.fabric.router.describe_faults() + describe_stragglers(slow))
         pr = self.price(spmd.program, spec, model, overlap, prefetch_bytes, int(comm_streams),
                         straggler_scale(slow, spmd.mesh.size))

@@ -58,10 +58,13 @@ class Priced:
 
 
 def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap: bool,
-          prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0) -> Priced:
+          prefetch_bytes: int | None = None, comm_streams: int = 1, compute_scale: float = 1.0,
+          memory: bool = True) -> Priced:
     """Price one run of ``entry``'s program (module docstring). ``compute_scale`` multiplies every
     compute equation's time (loop bodies' too: a uniformly slower or faster chip); ``comm_streams`` is
-    the number of collectives the overlap schedule may run at once (:func:`partir_emu.hwmodels.timeline.overlap.schedule`)."""
+    the number of collectives the overlap schedule may run at once (:func:`partir_emu.hwmodels.timeline.overlap.schedule`).
+    ``memory=False`` (a placement search, which ranks by step only): the memory profile is the
+    program-order one, not the overlap schedule's (which holds prefetch buffers); times and step are the same."""
     pc = entry.costs
     times = compute_times(pc, spec)
     if compute_scale != 1.0:
@@ -76,7 +79,8 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     comm_s = float(times[is_comm].sum())
     walked = len(times)
     for lc in pc.loops:
-        b = bodies[lc.index] = price(lc.body, spec, model, overlap, prefetch_bytes, comm_streams, compute_scale)
+        b = bodies[lc.index] = price(lc.body, spec, model, overlap, prefetch_bytes, comm_streams, compute_scale,
+                                     memory)
         times[lc.index] = lc.length * b.step_s
         compute_s += lc.length * b.compute_s
         comm_s += lc.length * b.comm_s
@@ -90,7 +94,8 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
         step_s = sched.step_s
         if contention is not None:          # collectives in flight together last longer than priced alone
             comm_s += float(np.sum(np.subtract(sched.finish, sched.start))) - float(times[is_comm].sum())
-        mem = overlap_memory(plan, entry.program, _with_bodies(entry, bodies, spec.stack.saved_activations), sched)
+        if memory:
+            mem = overlap_memory(plan, entry.program, _with_bodies(entry, bodies, spec.stack.saved_activations), sched)
     else:
         step_s = compute_s + comm_s
     return Priced(entry, times, costs, compute_s, comm_s, float(step_s), sched, mem, bodies, walked)

@@ -78,7 +78,9 @@ class Study:
         self.stack = load_stack(stack)
         self.placement = placement
         self.overlap = overlap
-        self.analyzer = Analyzer()
+        # a study walks programs in grid order, each priced on every spec before the next: 32 programs kept
+        # lets a second pass (sensitivity, --des-top, a re-run) find their analyses
+        self.analyzer = Analyzer(max_programs=32)
         self._lowered: dict[tuple, Any] = {}
         self._specs: dict[tuple[str, WhatIf], Any] = {}
         self.lower_s = 0.0

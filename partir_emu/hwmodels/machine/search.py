@@ -191,7 +191,7 @@ def enumerate_placements(mesh: Mesh, topology: Topology, limit: int = 64) -> tup
 def search_placement(spmd: SpmdProgram, spec: HardwareSpec | str, analyzer: Analyzer | None = None, overlap: bool = False,
                      slice_dims: Sequence[int] | None = None, *, limit: int = 64,
                      **simulate_kwargs) -> PlacementChoice:
-    """Price every placement of :func:`enumerate_placements` with ``Analyzer.simulate`` (``overlap`` and
+    """Price every placement of :func:`enumerate_placements` with ``Analyzer.step`` (``overlap`` and
     ``simulate_kwargs`` passed on: ``algorithms``, ``prefetch_bytes``, fault options...) and keep the
     cheapest. ``analyzer``: an :class:`~partir_emu.hwmodels.analytical.Analyzer` (default: a new one)."""
     t0 = time.perf_counter()
@@ -203,7 +203,7 @@ def search_placement(spmd: SpmdProgram, spec: HardwareSpec | str, analyzer: Anal
     priced: list[tuple[float, int, str, Placement]] = []
     for p in places:
         text = p.mapping_text() or p.describe()
-        step = float(analyzer.simulate(spmd, spec, placement=p, overlap=overlap, **simulate_kwargs).step_s)
+        step = float(analyzer.step(spmd, spec, placement=p, overlap=overlap, **simulate_kwargs))
         priced.append((step, 0 if text == default_text else 1, text, p))
     order = _rank(priced)
     best, runner = order[0], (order[1] if len(order) > 1 else None)

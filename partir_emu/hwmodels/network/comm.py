@@ -135,6 +135,9 @@ class CommModel:
             key = (*key, ("faults", tuple(sorted(self.link_factors.items()))))
         self._cache = cache.for_placement(key)
         self._built = cache.schedules(key)
+        # the chosen candidate's price, from choosing it to costing it (a schedule chosen by another
+        # model on this placement is priced again: the price itself is then kept in ``_cache``)
+        self._priced: dict[tuple, tuple[float, int, int] | None] = {}
         self.fabric = cache.fabric(key, placement, self.link_factors)
 
     @property
@@ -183,6 +186,7 @@ class CommModel:
 
     def _choose(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str, perm: tuple | None
                 ) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
+        key = (kind, axes, nbytes, dtype, self.requested(kind), perm)
         group = self.placement.group(axes)
         if group.size == 1 or nbytes == 0:
             return None
@@ -200,9 +204,11 @@ class CommModel:
                               for s, d in permute_pairs(dict(perm or ()), group.size))
             sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
                                    devices_per_node=choice.devices_per_node, permutation=pairs)
-            t = self._price(axes, choice, sched)[0] if len(options) > 1 else 0.0
+            priced = self._price(axes, choice, sched) if len(options) > 1 else None
+            t = priced[0] if priced is not None else 0.0
             if best is None or t < best[0]:
                 best = (t, choice, sched)
+                self._priced[key] = priced                 # _compute takes it: a candidate is priced once
         assert best is not None
         return best[1], best[2]
 
@@ -212,7 +218,9 @@ class CommModel:
         if built is None:
             return CollectiveCost(kind, "none", self.placement.group(axes).size, nbytes, 0.0, 0, 0, 0)
         choice, sched = built
-        t, nmsg, hops = self._price(axes, choice, sched)
+        key = (kind, axes, nbytes, dtype, self.requested(kind), perm)
+        priced = self._priced.pop(key, None)
+        t, nmsg, hops = priced if priced is not None else self._price(axes, choice, sched)
         return CollectiveCost(kind, sched.algorithm, len(choice.chips), nbytes, t, sched.num_steps, nmsg, hops)
 
     def _price(self, axes: tuple[str, ...], choice: AlgorithmChoice, sched: CollectiveSchedule

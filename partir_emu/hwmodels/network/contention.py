@@ -65,6 +65,7 @@ class Fabric:
         self.placement = placement
         self.router = router if router is not None else Router(topology, link_factors)
         self._groups: dict[tuple, tuple[int, np.ndarray]] = {}
+        self._chip_table: np.ndarray | None = None
         self._patterns: dict[tuple[int, bytes], Pattern] = {}
         self._cells = 0                                       # link-id cells held by the patterns
         self.link_bytes_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -89,7 +90,9 @@ class Fabric:
         pl = self.placement
         assert pl is not None, "Fabric.groups needs the placement"
         topo = pl.topology
-        table = np.array([pl.chip_of(d) for d in range(pl.mesh.size)], dtype=np.int64)
+        table = self._chip_table
+        if table is None:                                      # device -> chip, once per fabric
+            table = self._chip_table = np.array([pl.chip_of(d) for d in range(pl.mesh.size)], dtype=np.int64)
         rows = table[np.array(pl.mesh.groups(axes), dtype=np.int64)]          # [G, p], mesh order
         rep = rows[0].tolist()
         if topo.kind == "gpu" and list(chips) == sorted(rep, key=lambda c: (topo.node_of(c), c)):
