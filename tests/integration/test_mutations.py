@@ -49,7 +49,9 @@ def _final_price(make: Callable[[comm.CommModel], Callable]) -> Patch:
     """Mutate the price the analytical model reports for a collective, not the algorithm choice: the
     choice (``CommModel.schedule``) prices its candidates on the same fabric, and the DES replays the
     schedule it picks, so a mutation there would move both models. ``make(model)`` returns the
-    mutated ``price(axes, choice, sched)``, used only inside ``CommModel._compute``'s final pricing."""
+    mutated ``price(axes, choice, sched)``, used only inside ``CommModel._compute``'s final pricing (the
+    choice keeps its winner's price for ``_compute`` to reuse; the patch drops it so the final price is
+    asked for again, mutated)."""
     def patch(mp: pytest.MonkeyPatch) -> None:
         final = [False]
         orig_schedule, orig_compute, orig_price = (comm.CommModel.schedule, comm.CommModel._compute,
@@ -61,6 +63,7 @@ def _final_price(make: Callable[[comm.CommModel], Callable]) -> Patch:
                 return orig_schedule(self, *args, **kw)
             finally:
                 final[0] = was
+                self._priced.clear()     # the choice's own price of its winner is not reused: the final price is mutated
 
         def compute(self, *args, **kw):
             was, final[0] = final[0], True
