@@ -6,16 +6,20 @@ Importing ``partir_emu`` imports nothing else: every name here loads its module 
 need), so the command line can take the stop signals before anything heavy is imported
 (:mod:`partir_emu.app.cli.entry`). In a rank of a user's ``mpirun`` that imports it before numpy,
 it defaults the BLAS thread variables to the rank's share of the host's cores
-(:func:`partir_emu.mpi.environ.set_blas_threads`; a value already set is kept).
+(:func:`partir_emu.mpi.environ.set_blas_threads`; a value already set is kept), and the host's first
+rank starts the watcher that removes MPICH's shm segments after the job (:mod:`partir_emu.mpi.procs.shmwatch`).
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from partir_emu.mpi.environ import set_blas_threads
+from partir_emu.mpi.environ import set_blas_threads, under_mpirun
 
 set_blas_threads()
+if under_mpirun():      # a host's first rank, before MPI starts: MPICH's segments go even if the start-up fails
+    from partir_emu.mpi.procs.shmwatch import start_if_first_rank
+    start_if_first_rank()
 
 if TYPE_CHECKING:
     from partir_emu.api import jit, lower_program, trace

@@ -35,6 +35,7 @@ from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import UsageError
 from partir_emu.hwmodels.compute.memory import peak_memory
 from partir_emu.mpi.environ import mpirun_rank
+from partir_emu.mpi.hosts import check_cli
 from partir_emu.mpi.jobs import MPI_ALGORITHMS
 
 # The analytical model and the DES are closed-form or symmetry-reduced, but placement and the
@@ -281,6 +282,7 @@ def check_run_args(args: argparse.Namespace, exp: Any) -> None:
     check_output_path(args.trace_messages, "--trace-messages")
     check_output_path(args.report, "--report")
     rank = mpirun_rank()
+    check_cli(args, mpi, rank is not None)      # --hosts, --hostfile, --launcher, --launcher-exec, --workdir
     if rank in (None, 0):
         check_inputs_file(args.inputs, exp)
     elif args.inputs is not None:

@@ -28,17 +28,19 @@ rank's start), ``step_s`` (the step between two barriers, on rank 0), ``setup_s`
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from partir_emu.collectives.algorithms import ALGORITHMS
 from partir_emu.core.dtypes import array_files, restored, storable
-from partir_emu.errors import ArtifactError
+from partir_emu.errors import ArtifactError, EmulationError
+from partir_emu.mpi.bundle import pack, unpack
 
 MPI_ALGORITHMS: tuple[str, ...] = ALGORITHMS + ("native",)    # a job's "algorithm"
 
@@ -68,7 +70,7 @@ def save_inputs(path: str | os.PathLike, names: Sequence[str], inputs: Sequence[
     np.savez(path, **arrays)
 
 
-def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarray]:
+def load_inputs(path: str | os.PathLike | IO[bytes], names: Sequence[str]) -> list[np.ndarray]:
     """The inputs :func:`save_inputs` wrote, in program order (``allow_pickle=False``)."""
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -84,9 +86,16 @@ def load_inputs(path: str | os.PathLike, names: Sequence[str]) -> list[np.ndarra
 def write_job_result(job: dict[str, Any], outputs: Sequence[np.ndarray], stats: dict[str, Any]) -> None:
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
-    arrays: dict[str, Any] = storable({f"out_{j}": x for j, x in enumerate(outputs)})   # why Any: as in save_inputs
-    np.savez(out / "outputs.npz", **arrays)
-    (out / "stats.json").write_text(json.dumps(stats))
+    for name, data in job_result_files(0, outputs, stats).items():
+        (out / name.split("/", 1)[1]).write_bytes(data)
+
+
+def job_result_files(j: int, outputs: Sequence[np.ndarray], stats: dict[str, Any]) -> dict[str, bytes]:
+    """Job ``j``'s result files by name (``job-J/outputs.npz``, ``job-J/stats.json``), as bytes."""
+    arrays: dict[str, Any] = storable({f"out_{i}": x for i, x in enumerate(outputs)})   # why Any: as in save_inputs
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return {f"job-{j}/outputs.npz": buf.getvalue(), f"job-{j}/stats.json": json.dumps(stats).encode()}
 
 
 def read_job_result(job: dict[str, Any]) -> dict[str, Any]:
@@ -95,3 +104,41 @@ def read_job_result(job: dict[str, Any]) -> dict[str, Any]:
     with np.load(out / "outputs.npz", allow_pickle=False) as z:
         outputs = [restored(z, f"out_{j}") for j in range(len(array_files(z)))]
     return {"outputs": outputs, "stats": json.loads((out / "stats.json").read_text())}
+
+
+def pack_jobs(jobs: Sequence[dict[str, Any]], timeout_s: float | None) -> bytes:
+    """The jobs and every file they name (programs, inputs) as one bundle for rank 0's standard input
+    (:mod:`partir_emu.mpi.bundle`): no rank needs to see the launcher's work dir."""
+    files: dict[str, bytes] = {}
+    names: dict[str, str] = {}
+    packed = []
+    for job in jobs:
+        job = dict(job)
+        for key, suffix in (("program", "json"), ("inputs", "npz")):
+            path = job.get(key)
+            if path:
+                if path not in names:
+                    names[path] = f"{key}-{len(names)}.{suffix}"
+                    try:
+                        files[names[path]] = Path(path).read_bytes()
+                    except OSError as exc:
+                        raise ArtifactError(f"cannot read the job's {key} {path}: {exc}") from None
+                job[key] = names[path]
+        packed.append(job)
+    return pack({"jobs.json": json.dumps({"jobs": packed, "timeout": timeout_s, "progress_dir": None}).encode(),
+                 **files})
+
+
+def unpack_results(data: bytes | None, jobs: Sequence[dict[str, Any]]) -> None:
+    """Write the results rank 0 sent back (``data``, a bundle) where each job expects them: ``out``
+    (outputs.npz, stats.json) and ``trace``."""
+    if data is None:
+        raise EmulationError("the MPI run exited 0 but rank 0's results did not come back to the launcher")
+    files = unpack(data, "rank 0's results")
+    for j, job in enumerate(jobs):
+        out = Path(job["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("outputs.npz", "stats.json"):
+            (out / name).write_bytes(files[f"job-{j}/{name}"])
+        if job.get("trace") and f"job-{j}/trace.jsonl" in files:
+            Path(job["trace"]).write_bytes(files[f"job-{j}/trace.jsonl"])

@@ -36,16 +36,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partir_emu.errors import EmulationError
+from partir_emu.mpi.bundle import BundleServer
 from partir_emu.mpi.deaths import DeathWatch
 from partir_emu.mpi.failure_report import WARNING_PREFIX, failure_message
 from partir_emu.mpi.faults import parse_fault
+from partir_emu.mpi.hosts import HostOptions
 from partir_emu.mpi.interrupts import note, signals_deferred
-from partir_emu.mpi.jobs import read_job_result, write_jobs
+from partir_emu.mpi.jobs import pack_jobs, read_job_result, unpack_results, write_jobs
+from partir_emu.mpi.procs.hostreports import REPORT_WAIT_S, Collector, listen, local_addresses
 from partir_emu.mpi.procs.reaper import Reaper
+from partir_emu.mpi.procs.sentinel import merged_line
+from partir_emu.mpi.procs.shmwatch import CLEANS_ENV
 from partir_emu.mpi.procs.supervise import Supervised, cleanup_shm, is_hydra, mpiexec_path
 from partir_emu.runtime.progress import read_records
 
-_STRIP_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+# a rank's own variables, should this process run inside another job; hydra's HYDRA_* are the user's
+# settings for our mpiexec (hosts, launcher) and are passed on
+_STRIP_ENV = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC_SLACK_S = 3.0       # MPIEXEC_TIMEOUT = timeout + this: the ranks' watchdogs fire first ...
 WAIT_SLACK_S = 6.0          # ... and this process waits longest, then stops the process group
@@ -59,12 +66,18 @@ class MpiRun:
     directory in ``workdir``). ``timeout_s`` bounds the whole launch; the ranks' own watchdog
     uses ``rank_timeout_s`` (default ``timeout_s``). ``env`` adds environment variables.
     ``fault`` (tests): a :mod:`partir_emu.mpi.faults` spec added to every job.
+
+    ``hosts``: where the ranks run (:class:`~partir_emu.mpi.hosts.HostOptions`). When they may run
+    on other machines, each host's ranks are watched on that host (its sentinel; rank 0's speaks
+    for all) and the jobs' files travel over MPI (:mod:`partir_emu.mpi.bundle`: mpiexec's standard
+    input to rank 0, the results back on its standard output), unless ``shared_workdir`` says every
+    host sees ``workdir`` at the same path.
     """
 
     def __init__(self, jobs: Sequence[dict], ranks: int, *, timeout_s: float = 300.0, workdir: str | os.PathLike,
                  rank_timeout_s: float | None = None, env: dict[str, str] | None = None,
                  mpiexec: str | os.PathLike | None = None, mpiexec_args: Sequence[str] = (),
-                 fault: str | None = None) -> None:
+                 fault: str | None = None, hosts: HostOptions | None = None, shared_workdir: bool = False) -> None:
         self.workdir = Path(workdir).resolve()
         if fault:
             parse_fault(fault)                   # refused here, before anything is launched
@@ -74,8 +87,13 @@ class MpiRun:
         self.rank_timeout_s = float(rank_timeout_s if rank_timeout_s is not None else timeout_s)
         self.env_extra = dict(env or {})
         self.mpiexec = Path(mpiexec) if mpiexec else mpiexec_path()
-        self.mpiexec_args = list(mpiexec_args)
+        self.mpiexec_args = [*(hosts.mpiexec_args() if hosts else []), *mpiexec_args]
+        self.multi_host = (hosts or HostOptions()).multi_host()
+        self.bundled = self.multi_host and not shared_workdir
         self.progress_dir = self.workdir / "progress"
+        self.server: BundleServer | None = None
+        self.collector: Collector | None = None
+        self.hosts = hosts or HostOptions()
         self.process: Supervised | None = None
         self.watch: DeathWatch | None = None
         self.reaper: Reaper | None = None
@@ -88,6 +106,8 @@ class MpiRun:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(var, "1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if not self.multi_host:             # one host: this process removes the segments itself
+            env[CLEANS_ENV] = "1"
         env.update(self.env_extra)
         return env
 
@@ -96,8 +116,16 @@ class MpiRun:
         jobs_file = self.workdir / "jobs.json"
         write_jobs(jobs_file, self.jobs, self.rank_timeout_s, self.progress_dir)
         hydra = ["-print-all-exitcodes"] if is_hydra(self.mpiexec) else []
-        cmd = [str(self.mpiexec), "-n", str(self.ranks), *hydra, *self.mpiexec_args,
-               sys.executable, "-m", "partir_emu.mpi.ranks.worker", "--jobs", str(jobs_file)]
+        where = ["--jobs", str(jobs_file)]
+        if self.bundled:        # no shared work dir: rank 0 fetches the files from this process
+            self.server = BundleServer(pack_jobs(self.jobs, self.rank_timeout_s))
+            where = self.server.argv(local_addresses())
+        worker = [sys.executable, "-m", "partir_emu.mpi.ranks.worker", *where]
+        if self.multi_host:     # every host's sentinel reports to this process (procs.hostreports)
+            self.collector = Collector(listen())
+            worker += ["--per-host", "--timeout", str(self.rank_timeout_s), "--report-to",
+                       f"{','.join(local_addresses())}:{self.collector.sock.getsockname()[1]}"]
+        cmd = [str(self.mpiexec), "-n", str(self.ranks), *hydra, *self.mpiexec_args, *worker]
         self.watch = DeathWatch(self.progress_dir)
         try:
             self.process = Supervised(cmd, self._env(), self.workdir, marker=str(self.workdir)).start()
@@ -122,6 +150,10 @@ class MpiRun:
                 self.process.remove_hwloc()
             if self.reaper is not None:
                 self.reaper.stand_down()
+            if self.server is not None:
+                self.server.close()
+            if self.collector is not None:
+                self.collector.close()
 
     def _wait(self) -> list[dict]:
         assert self.process is not None and self.watch is not None, "start() first"
@@ -143,13 +175,26 @@ class MpiRun:
             progress = self.read_progress()
             cleanup_shm([s for p in progress for s in p.get("shm", [])], self.process.shm_before, self.start_wall)
             self.process.close_logs()
-            raise EmulationError(failure_message(text, rc, timed_out, progress, silent, self.ranks, self.timeout_s,
-                                                 self.watch.resolution_s))
+            msg = failure_message(text, rc, timed_out, progress, silent, self.ranks, self.timeout_s,
+                                  self.watch.resolution_s, watched_here=not self.multi_host)
+            if self.collector is not None:      # the hosts' sentinels: who died first anywhere, positions
+                host_ranks = self.hosts.rank_hosts(self.ranks)
+                reports = self.collector.wait(len(host_ranks) or self.ranks, REPORT_WAIT_S)
+                line = merged_line(reports, host_ranks) if reports else None
+                head, _, rest = msg.partition("\n")
+                if line:                        # hydra's teardown text only hides it
+                    rest = rest.split("mpiexec output (tail):")[0].rstrip()
+                if not line and "is unreachable" not in rest:
+                    line = "no host's watcher reported (mpiexec's output follows)"
+                msg = "\n".join(x for x in (head, line, rest) if x)
+            raise EmulationError(msg)
         self.watch.stop()
         for w in dict.fromkeys(ln for ln in text.splitlines() if ln.startswith(WARNING_PREFIX)):
             print(w, file=sys.stderr)       # the ranks' warnings
         self.process.close_logs()
         try:
+            if self.server is not None:
+                unpack_results(self.server.results, self.jobs)
             return [read_job_result(job) for job in self.jobs]
         except (OSError, KeyError, ValueError) as exc:
             raise EmulationError(f"the MPI run exited 0 but its results are unreadable ({exc}); "

@@ -35,7 +35,7 @@ from partir_emu.core.dtypes import np_dtype
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import EmulationError, MeshError
 from partir_emu.mpi.ranks import worker
-from partir_emu.mpi.ranks.wait import wait_all
+from partir_emu.mpi.ranks.wait import bcast_bytes, wait_all
 from partir_emu.runtime.kernels import check_kernels
 
 _STOP, _RUN = 0, 1
@@ -84,12 +84,7 @@ def is_root() -> bool:
 
 # -- bytes over Ibcast (a length, then the bytes), every wait bounded ------------------------------------
 def _bcast_bytes(s: _Session, data: bytes | None, what: str) -> bytes:
-    n = np.array([len(data) if data is not None else 0], np.int64)
-    wait_all([s.comm.Ibcast([n, MPI.INT64_T], root=0)], s.timeout_s, f"{what} (length) from rank 0")
-    buf = np.frombuffer(data, np.uint8).copy() if data is not None else np.empty(int(n[0]), np.uint8)
-    if n[0]:
-        wait_all([s.comm.Ibcast([buf, MPI.BYTE], root=0)], s.timeout_s, f"{what} from rank 0", bulk=True)
-    return buf.tobytes()
+    return bcast_bytes(s.comm, data, s.timeout_s, what)
 
 
 def _encode_arrays(arrays: Sequence[np.ndarray]) -> bytes:

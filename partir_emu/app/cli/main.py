@@ -145,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mpi backend: emulated devices per MPI rank (default 1)")
     p.add_argument("--timeout", type=checks.seconds, default=None,
                    help=f"--backend mpi: seconds before the MPI job is stopped (default {MPI_TIMEOUT_S:g})")
+    p.add_argument("--hosts", default=None, metavar="H1:N,H2:N",
+                   help="--backend mpi: run the ranks on these hosts, N ranks each (hydra's -hosts); the program "
+                        "and inputs go over MPI, no shared file system is needed")
+    p.add_argument("--hostfile", default=None, metavar="FILE", help="--backend mpi: hosts from a file of "
+                   "HOST[:N] lines (hydra's -f)")
+    p.add_argument("--launcher", default=None, metavar="NAME", help="--backend mpi: how hydra starts the other "
+                   "hosts' proxies: ssh (default), rsh, slurm, lsf, sge, ...")
+    p.add_argument("--launcher-exec", default=None, metavar="PROGRAM", help="--backend mpi: the program the "
+                   "launcher runs instead of ssh (hydra's -launcher-exec)")
+    p.add_argument("--workdir", default=None, metavar="DIR", help="--backend mpi with hosts: keep the program, "
+                   "inputs and results in DIR, which every host sees at the same path, instead of sending them over MPI")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)   # tests: partir_emu.mpi.faults
     p.add_argument("--trace-messages", default=None, help="mpi backend: write every transfer to this file")
     p.add_argument("--inputs", default=None, help="load inputs from this .npz instead of generating them")

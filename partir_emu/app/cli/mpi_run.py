@@ -51,6 +51,7 @@ from partir_emu.app.experiment import Experiment, flatten, load_inputs_npz, repo
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArgumentError, MeshError
 from partir_emu.mpi.environ import under_mpirun
+from partir_emu.mpi.hosts import check_cli
 from partir_emu.mpi.interrupts import note
 from partir_emu.mpi.jobs import MPI_ALGORITHMS, save_inputs
 from partir_emu.mpi.launch import MpiRun
@@ -153,14 +154,16 @@ def run_self_launched(exp: Experiment, args: argparse.Namespace) -> dict:
     inputs = (load_inputs_npz(args.inputs, spmd.input_names) if args.inputs else
               numpy_inputs(exp.scenario_name, exp.preset, exp.overrides, exp.seed))
     trace = str(Path(args.trace_messages).resolve()) if args.trace_messages else None
+    hosts = check_cli(args, True, False)
     tmp = None
     try:
-        with tempfile.TemporaryDirectory(prefix="partir-emu-mpi-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="partir-emu-mpi-", dir=getattr(args, "workdir", None)) as tmp:
             spmd.save(Path(tmp) / "program.json")
             save_inputs(Path(tmp) / "inputs.npz", spmd.input_names, inputs)
             job = {"program": str(Path(tmp) / "program.json"), "inputs": str(Path(tmp) / "inputs.npz"),
                    "algorithm": algorithm, "kernels": args.kernels, "devices_per_rank": k, "trace": trace}
-            run = MpiRun([job], n // k, timeout_s=_timeout(args), workdir=tmp, fault=args.inject_fault)
+            run = MpiRun([job], n // k, timeout_s=_timeout(args), workdir=tmp, fault=args.inject_fault, hosts=hosts,
+                         shared_workdir=getattr(args, "workdir", None) is not None)
             try:
                 announce("launch, step (and the references meanwhile)")
                 run.start()

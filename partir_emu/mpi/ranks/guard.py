@@ -19,7 +19,7 @@ from typing import Literal
 from mpi4py import MPI
 
 from partir_emu.core.spmd import COMM_PRIMS
-from partir_emu.errors import PartirError
+from partir_emu.errors import CollectiveError, PartirError
 from partir_emu.mpi.failure_report import laggards, positions
 from partir_emu.mpi.interrupts import install, restore
 from partir_emu.mpi.ranks.mesh import MpiMesh
@@ -101,6 +101,7 @@ class RankGuard:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         self.stopped_by = ""
         self.sentinel_watches = False       # under a user's mpirun: a runtime.sentinel watches the host
+        self.hosts = 1                      # hosts of the job (more than one: messages name this rank's host)
         self.set_phase("startup")
         self._handlers = install(self._on_signal)
         self._timer = None
@@ -150,8 +151,9 @@ class RankGuard:
         devs = device_str(self.devices) + " " if self.devices else ""
         return f"{devs}op - ({self.phase})"
 
-    def fail(self, message: str, code: int = 1) -> None:
-        """Print ``message``, write it to the progress record, drop the shm segment, abort the job.
+    def fail(self, message: str, code: int = 1, abort: bool = True) -> None:
+        """Print ``message``, write it to the progress record, drop the shm segment, abort the job
+        (``abort=False``: exit with ``code`` instead, and hydra stops the others; see :meth:`__exit__`).
 
         Under a user's mpirun (``sentinel_watches``) every rank times out at once: the first
         of the host to claim it prints one line for all, from every rank's record."""
@@ -163,7 +165,9 @@ class RankGuard:
         self.error = next((ln for ln in reversed(message.splitlines()) if ln.startswith("partir-emu rank")),
                           message[-1000:])
         say = True
-        if self.sentinel_watches and self.progress_dir and " timed out after " in self.error:
+        if self.sentinel_watches and self.hosts > 1 and " timed out after " in self.error:
+            say = False             # the speaker's sentinel names every host's ranks in one line
+        elif self.sentinel_watches and self.progress_dir and " timed out after " in self.error:
             say = _claim(Path(self.progress_dir) / "timeout-reported")
             if say:
                 self._write_progress()
@@ -180,7 +184,8 @@ class RankGuard:
         # let mpiexec forward our stderr (or the rank that speaks for us its) before MPI_Abort tears the job down
         time.sleep(0.2 if say else 0.5)
         try:
-            self.comm.Abort(code)
+            if abort:
+                self.comm.Abort(code)
         finally:
             os._exit(code)
 
@@ -201,8 +206,12 @@ class RankGuard:
         _unlink(self.shm or mapped_shm_files())
         os._exit(128 + signum)
 
+    def who(self) -> str:
+        """``'partir-emu rank R'``, with its host when the job has several."""
+        return f"partir-emu rank {self.rank}" + (f" on {socket.gethostname()}" if self.hosts > 1 else "")
+
     def _on_timeout(self, timeout_s: float) -> None:
-        self.fail(f"partir-emu rank {self.rank} {self.where()}: timed out after {timeout_s:g} s "
+        self.fail(f"{self.who()} {self.where()}: timed out after {timeout_s:g} s "
                   f"(--timeout); the job is stopped", code=3)
 
     def __enter__(self) -> RankGuard:
@@ -214,7 +223,12 @@ class RankGuard:
         if isinstance(exc, SystemExit) and not exc.code:
             return False
         detail = "" if isinstance(exc, PartirError) else "".join(traceback.format_exception(et, exc, tb))
-        self.fail(f"{detail}partir-emu rank {self.rank} {self.where(exc)}: {type(exc).__name__}: {exc}")
+        # across hosts a peer that died surfaces here as an MPI error (its TCP connection reset): exit
+        # rather than MPI_Abort, after which mpiexec would leave at once, before the hosts' sentinels
+        # (rank 0's speaks for them) said which rank died first; hydra stops the others all the same
+        lost_peer = self.hosts > 1 and (isinstance(exc, MPI.Exception) or
+                                        (isinstance(exc, CollectiveError) and str(exc).startswith("MPI failed")))
+        self.fail(f"{detail}{self.who()} {self.where(exc)}: {type(exc).__name__}: {exc}", abort=not lost_peer)
         return False
 
     def close(self) -> None:

@@ -105,3 +105,15 @@ def wait_all(reqs: Sequence[MPI.Request], timeout_s: float | None, what: Callabl
             raise EmulationError(f"timed out after {timeout_s:g} s waiting for {w}: a rank is missing or stuck")
         time.sleep(nap)
         nap = min(nap * grow, POLL_MAX_S)
+
+
+def bcast_bytes(comm: MPI.Intracomm, data: bytes | None, timeout_s: float | None, what: str) -> bytes:
+    """Rank 0's ``data`` on every rank (its length, then the bytes, over ``Ibcast``), every wait
+    bounded by ``timeout_s``; the other ranks pass None."""
+    import numpy as np  # why here: the module's waits need none of numpy
+    n = np.array([len(data) if data is not None else 0], np.int64)
+    wait_all([comm.Ibcast([n, MPI.INT64_T], root=0)], timeout_s, f"{what} (length) from rank 0")
+    buf = np.frombuffer(data, np.uint8).copy() if data is not None else np.empty(int(n[0]), np.uint8)
+    if n[0]:
+        wait_all([comm.Ibcast([buf, MPI.BYTE], root=0)], timeout_s, f"{what} from rank 0", bulk=True)
+    return buf.tobytes()

@@ -33,9 +33,10 @@ A job's ``"fault": "rank:R:op:K:MODE"`` is a **test hook** that injects a failur
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,12 +49,13 @@ from mpi4py import MPI
 from partir_emu.core.msgtrace import trace_header, write_message_trace
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import ArtifactError, EmulationError
+from partir_emu.mpi.bundle import deliver, fetch, pack, unpack
 from partir_emu.mpi.faults import parse_fault
-from partir_emu.mpi.jobs import load_inputs, read_jobs, write_job_result
-from partir_emu.mpi.procs.supervise import ProxyLineage
+from partir_emu.mpi.jobs import job_result_files, load_inputs, read_jobs, write_job_result
 from partir_emu.mpi.ranks.guard import START_WALL, RankGuard
+from partir_emu.mpi.ranks.hostwatch import guard_under_mpirun
 from partir_emu.mpi.ranks.mesh import MpiMesh
-from partir_emu.mpi.ranks.wait import wait_all
+from partir_emu.mpi.ranks.wait import bcast_bytes, wait_all
 from partir_emu.runtime.local_mesh import check_global_inputs
 
 
@@ -134,50 +136,6 @@ def world() -> MPI.Intracomm:
     return MPI.COMM_WORLD
 
 
-_STRIP_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
-
-
-def guard_under_mpirun(comm: MPI.Intracomm, timeout_s: float | None) -> RankGuard:
-    """This rank's :class:`RankGuard`, its progress record in a directory per host that the
-    host's first rank made, watched by a :mod:`partir_emu.mpi.procs.sentinel` it starts (no
-    launcher of ours watches a user's mpiexec: the sentinel names a rank that died without a
-    word, and removes the ``/dev/shm`` segment and the directory)."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        first = node.Get_rank() == 0
-        buf = np.zeros(4096, np.uint8)
-        if first:
-            path = tempfile.mkdtemp(prefix="partir-emu-ranks-").encode()
-            buf[:len(path)] = np.frombuffer(path, np.uint8)
-        wait_all([node.Ibcast([buf, MPI.BYTE], root=0)], timeout_s, "the progress directory from the host's first rank")
-        progress_dir = buf.tobytes().rstrip(b"\0").decode()
-        guard = RankGuard(comm, timeout_s, progress_dir)
-        wait_all([node.Ibarrier()], timeout_s, "the host's ranks (progress records)")
-        if first:
-            _start_sentinel(progress_dir, node.Get_size(), timeout_s, speak=comm.Get_rank() == 0)
-        guard.sentinel_watches = True
-    finally:
-        node.Free()
-    return guard
-
-
-def _start_sentinel(progress_dir: str, ranks: int, timeout_s: float | None, speak: bool) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP_ENV)}
-    root = str(Path(__file__).resolve().parents[3])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "partir_emu.mpi.procs.sentinel", "--dir", progress_dir, "--ranks", str(ranks),
-           *ProxyLineage.of_parent().argv()]    # noted now: mpiexec may be gone by the time it runs
-    if timeout_s:
-        cmd += ["--deadline", str(timeout_s + 60.0)]     # the ranks' watchdogs end them by timeout_s
-    if speak:
-        cmd.append("--speak")
-    try:    # own session: mpiexec's clean-up kills the ranks' sessions, the sentinel must outlive them
-        subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    except OSError as exc:
-        print(f"partir-emu: warning: cannot start the rank watcher ({exc}); a rank that dies "
-              f"without a word will not be named", file=sys.stderr)
-
-
 def broadcast_program(comm: MPI.Intracomm, guard: RankGuard, lower: Callable[[], SpmdProgram],
                       timeout_s: float | None) -> SpmdProgram:
     """Rank 0 calls ``lower()`` (only rank 0 imports jax) and broadcasts the program as JSON
@@ -205,25 +163,70 @@ def broadcast_program(comm: MPI.Intracomm, guard: RankGuard, lower: Callable[[],
 
 
 # -- entry point --------------------------------------------------------------------------------
+def receive_bundle(comm: MPI.Intracomm, where: str, token: str, timeout_s: float | None) -> dict[str, bytes]:
+    """The job's files (:mod:`partir_emu.mpi.bundle`): rank 0 fetches them from the launcher and
+    broadcasts them; every rank gets them in memory."""
+    data = fetch(where, token, timeout_s) if comm.Get_rank() == 0 else None
+    return unpack(bcast_bytes(comm, data, timeout_s, "the job bundle (programs and inputs)"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m partir_emu.mpi.ranks.worker",
                                  description="one MPI rank of a partir-emu run (started by mpi_launch)")
-    ap.add_argument("--jobs", required=True, help="JOBS.json (see partir_emu.mpi.jobs)")
+    ap.add_argument("--jobs", default=None, help="JOBS.json (see partir_emu.mpi.jobs)")
+    ap.add_argument("--bundle-from", default=None, metavar="ADDR,...:PORT",
+                    help="instead: rank 0 fetches the jobs and their files from the launcher (partir_emu.mpi.bundle)")
+    ap.add_argument("--bundle-token", default="", help="with --bundle-from: the launcher's token")
+    ap.add_argument("--per-host", action="store_true", help="every host watches its own ranks (several hosts)")
+    ap.add_argument("--timeout", type=float, default=None, help="with --per-host: the ranks' timeout")
+    ap.add_argument("--report-to", default=None, metavar="ADDR,...:PORT",
+                    help="with --per-host: where every host's sentinel reports (the launcher)")
     args = ap.parse_args(argv)
-    spec = read_jobs(args.jobs)
-    timeout = spec.get("timeout")
+    if (args.jobs is None) == (args.bundle_from is None):
+        ap.error("give --jobs FILE or --bundle-from ADDR:PORT")
     comm = MPI.COMM_WORLD
-    guard = RankGuard(comm, timeout, spec.get("progress_dir"))
+    files: dict[str, bytes] | None = None
+    if args.bundle_from or args.per_host:
+        timeout = args.timeout
+        guard = guard_under_mpirun(comm, timeout, args.report_to)
+        with guard:
+            if args.bundle_from:
+                guard.set_phase("receive the job bundle")
+                files = receive_bundle(comm, args.bundle_from, args.bundle_token, timeout)
+                spec = json.loads(files["jobs.json"])
+            else:
+                spec = read_jobs(args.jobs)
+    else:
+        spec = read_jobs(args.jobs)
+        timeout = spec.get("timeout")
+        guard = RankGuard(comm, timeout, spec.get("progress_dir"))
+    results: dict[str, bytes] = {}
     with guard:
         for j, job in enumerate(spec["jobs"]):
             guard.set_phase("load program", job=j)
-            spmd = SpmdProgram.load(job["program"])
-            res = run_job(comm, spmd, job, guard, timeout_s=timeout)
+            if files is None:
+                spmd, inputs = SpmdProgram.load(job["program"]), None
+            else:
+                spmd = SpmdProgram.loads(files[job["program"]], job["program"])
+                inputs = load_inputs(io.BytesIO(files[job["inputs"]]), spmd.input_names)
+            trace = job.get("trace")
+            if files is not None and trace:      # written here, sent back with the results
+                job = {**job, "trace": os.path.join(tempfile.gettempdir(), f"partir-emu-trace-{os.getpid()}.jsonl")}
+            res = run_job(comm, spmd, job, guard, inputs=inputs, timeout_s=timeout)
             if res is not None:
                 guard.set_phase("write outputs")
-                write_job_result(job, res["outputs"], res["stats"])
+                if files is None:
+                    write_job_result(job, res["outputs"], res["stats"])
+                else:
+                    results.update(job_result_files(j, res["outputs"], res["stats"]))
+                    if trace:
+                        results[f"job-{j}/trace.jsonl"] = Path(job["trace"]).read_bytes()
+                        os.unlink(job["trace"])
         guard.set_phase("finalize")
         wait_all([comm.Ibarrier()], timeout, "the final barrier")
+        if files is not None and comm.Get_rank() == 0:
+            guard.set_phase("send the results")
+            deliver(args.bundle_from, args.bundle_token, pack(results), timeout)
     guard.close()
     return 0
 
