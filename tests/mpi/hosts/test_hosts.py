@@ -232,3 +232,21 @@ def test_a_link_taken_down_is_named_with_the_op_and_the_timeout(net):
     assert "last positions: rank 0 on pe-h0: op " in err and "rank 1 on pe-h1: op " in err, err[-3000:]
     assert re.search(r"op \d+ \(all_reduce at \S+; waiting for the other ranks\)", err), err[-3000:]
     assert "no word from pe-h2 (rank 2): its link is down or the host is gone" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_1024_devices_over_three_hosts(net, capsys):
+    """Scale (issue 25 item 6): 1,024 devices, 16 ranks of 64 over the three hosts, self-launched,
+    verified; the wall time is printed (docs/mpi.md quotes it)."""
+    t0 = time.monotonic()
+    out = on_h0(net, [str(BIN / "partir-emu"), "run", "mlp", "--strategy", "bp", "--mesh", "batch=1024", "--set",
+                      "batch=1024", "--backend", "mpi", "--devices-per-rank", "64", "--algorithm", "native",
+                      *launch_opts(net, "pe-h0:6,pe-h1:5,pe-h2:5"), "--timeout", "600", "--report", "/tmp/r.json"],
+                timeout=900)
+    wall = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = report(net)
+    assert rep["verified"] and rep["devices"] == 1024 and rep["ranks"] == 16, rep
+    with capsys.disabled():
+        print(f"\n1024 devices over 3 hosts: {wall:.1f} s wall; launch_s {rep['launch_s']:.1f}, "
+              f"step_s {rep['step_s']:.2f}, rss_bytes_total {rep['rss_bytes_total'] / 2**30:.2f} GiB")
