@@ -6,6 +6,9 @@ included, so that a fresh clone next month gets the numpy, jaxlib and OpenBLAS t
 with (tests that compare bits move with them).
 
     python tools/lock.py write     # regenerate: a fresh venv from the ranges, then pip freeze (make lock)
+    python tools/lock.py write --keep   # the same, every package already locked held at its pin
+                                        # (a dependency added to pyproject: only the new ones move;
+                                        # pip says which pin a new package cannot live with)
     python tools/lock.py check     # the running interpreter's packages are exactly the lock's (make setup)
 
 ``write`` resolves the ranges in a new virtual environment made by this interpreter, so the lock
@@ -54,13 +57,16 @@ def header() -> str:
             f"`make setup` installs it with --no-deps.\n")
 
 
-def write() -> int:
+def write(keep: bool = False) -> int:
+    """Resolve the pyproject ranges in a new venv and freeze it; ``keep``: the current lock as pip
+    constraints, so that what it pins stays as it is."""
     with tempfile.TemporaryDirectory(prefix="partir-emu-lock-") as tmp:
         venv = Path(tmp) / "venv"
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         py = str(venv / "bin" / "python")
-        subprocess.run([py, "-m", "pip", "install", "-q", "--upgrade", "pip", "setuptools"], check=True)
-        subprocess.run([py, "-m", "pip", "install", "-q", f"{ROOT}[dev]"], check=True)
+        pins = ["-c", str(LOCK)] if keep else []
+        subprocess.run([py, "-m", "pip", "install", "-q", "--upgrade", *pins, "pip", "setuptools"], check=True)
+        subprocess.run([py, "-m", "pip", "install", "-q", *pins, f"{ROOT}[dev]"], check=True)
         frozen = subprocess.run([py, "-m", "pip", "freeze", "--all", "--exclude", PROJECT], check=True,
                                 capture_output=True, text=True).stdout
     lines = sorted(ln for ln in frozen.splitlines() if "==" in ln)
@@ -106,7 +112,9 @@ def _unpinned() -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("write", "check"))
-    return write() if ap.parse_args().what == "write" else check()
+    ap.add_argument("--keep", action="store_true", help="write: keep every pin of the current lock")
+    args = ap.parse_args()
+    return write(args.keep) if args.what == "write" else check()
 
 
 if __name__ == "__main__":
