@@ -14,6 +14,7 @@ only when something is traced; ``import partir_emu`` loads this module only when
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.runtime.kernels import check_kernels
 from partir_emu.runtime.local_mesh import LocalMesh
 from partir_emu.runtime.rounding import other_orders
-from partir_emu.runtime.verdict import Verdict, compute_precision, judge, reduction_length
+from partir_emu.runtime.verdict import UNIT_ROUNDOFF, Verdict, compute_precision, judge, reduction_length
 
 __all__ = ["Lowered", "Jitted", "jit", "lower_program", "trace", "analytical_cost"]
 
@@ -161,9 +162,12 @@ class Jitted:
         for that call only), with the reach of the unpartitioned program in other summation orders.
         ``.summary()`` of the result is the one-line verdict; ``.verified`` the yes/no.
 
-        A step that casts to a narrower float inside (a bf16 step) still rounds there under x64, so
-        its float64 reference is only as exact as those casts; the scenarios build such steps again
-        without the casts for their reference, which a user's function cannot be."""
+        A step that casts to a narrower float inside (a bf16 step, or a module whose ``dtype`` is
+        float32, as HF transformers' Flax models are by default) still rounds there under x64, so
+        its float64 reference is only as exact as those casts; the verdict's ``reference`` says
+        where (``"float32 in 672 of 1651 equations"``) and its summary names it. The scenarios
+        build such steps again without the casts, which a user's function cannot be (give such a
+        module ``dtype=jnp.float64``: it computes in float32 without x64, in float64 with it)."""
         jax = _jax()
         keyed = self._key(args)
         low = self._lower(args, keyed)
@@ -175,11 +179,51 @@ class Jitted:
         wide = [np.asarray(x, np.float64) if jax.dtypes.issubdtype(getattr(x, "dtype", None), np.floating) else x
                 for x in jax.tree_util.tree_leaves(args)]
         with jax.enable_x64(True):
-            ref64 = [np.asarray(x) for x in jax.tree_util.tree_leaves(
-                jitted(*jax.tree_util.tree_unflatten(low.in_tree, wide)))]
+            wide_args = jax.tree_util.tree_unflatten(low.in_tree, wide)
+            reference = _narrowed_floats(jitted.trace(*wide_args).jaxpr)
+            ref64 = [np.asarray(x) for x in jax.tree_util.tree_leaves(jitted(*wide_args))]
         program = low.program
-        return judge(ours, baseline, ref64, program.output_names, reduction_length(program),
-                     others=other_orders(program, flat), precision=compute_precision(program))
+        verdict = judge(ours, baseline, ref64, program.output_names, reduction_length(program),
+                        others=other_orders(program, flat), precision=compute_precision(program))
+        return dataclasses.replace(verdict, reference=reference)
+
+
+def _narrowed_floats(closed: Any) -> str:
+    """Where a jaxpr traced under x64 computes in a float narrower than float64: ``"float64"`` if
+    nowhere, else the narrowest such dtype and how many of its equations (nested ones counted)
+    have a result of a narrower float (bool masks converted to floats, which are exact, aside)."""
+    narrow: dict[str, int] = {}
+    total = 0
+
+    def walk(jaxpr: Any) -> None:
+        nonlocal total
+        for e in jaxpr.eqns:
+            total += 1
+            names = {n for v in e.outvars if (n := _float_name(v.aval)) not in (None, "float64")}
+            if names and not (e.primitive.name == "convert_element_type"       # a mask made float: exact
+                              and np.dtype(e.invars[0].aval.dtype) == np.bool_):
+                worst = max(names, key=lambda n: UNIT_ROUNDOFF[n])
+                narrow[worst] = narrow.get(worst, 0) + 1
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)       # a ClosedJaxpr's jaxpr, or a Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    if not narrow:
+        return "float64"
+    worst = max(narrow, key=lambda n: UNIT_ROUNDOFF[n])
+    return f"{worst} in {sum(narrow.values())} of {total} equations"
+
+
+def _float_name(aval: Any) -> str | None:
+    """The name of ``aval``'s dtype if it is a float the verdict knows (not a PRNG key, not an int)."""
+    try:
+        name = np.dtype(aval.dtype).name
+    except (AttributeError, TypeError):
+        return None
+    return name if name in UNIT_ROUNDOFF else None
 
 
 def _dtype_name(x: Any) -> str:

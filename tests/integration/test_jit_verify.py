@@ -83,3 +83,20 @@ def test_verify_refuses_wrong_arguments_as_a_call_does(bad):
     step, args = _step_and_args()
     with pytest.raises(pe.PartirError, match="takes 4 argument"):
         _jitted(step).verify(*args[:3])
+
+
+def test_verify_names_a_float64_reference_that_computed_in_float32():
+    """A step that casts to float32 inside (as HF transformers' Flax modules do with their default
+    ``dtype``) computes in float32 under x64 too: the verdict says so instead of calling that run
+    a float64 reference."""
+    def narrowing(w, x):
+        return jnp.tanh(x.astype(jnp.float32) @ w.astype(jnp.float32)).sum(0)
+
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((16, 8), np.float32), rng.standard_normal((8, 16), np.float32)
+    jitted = pe.jit(narrowing, mesh=pe.Mesh(batch=2), schedule=[pe.ManualPartition({"x": 0}, axis="batch")])
+    verdict = jitted.verify(w, x)
+    assert verdict.reference.startswith("float32 in "), verdict.reference
+    assert "reference computed in float32" in verdict.summary()
+    step, args = _step_and_args()
+    assert _jitted(step).verify(*args).reference == "float64"

@@ -136,3 +136,54 @@ def test_reduction_length_reads_contractions_and_sums():
     prog = Program((x, w), ("x", "w"), eqns, (s,), ("s",))
     assert reduction_length(prog) == 96
     assert reduction_length(Program((x,), ("x",), (), (x,), ("x",))) == 1
+
+
+def _noise_output(rng, n: int = 64):
+    """An output whose exact value is ~0 while float32 runs carry the rounding of O(1e-6) terms
+    (HF BERT's key-bias Adam ``mu``: 7e-14 in float32 runs, 5e-23 in float64): the reference,
+    jax.jit and four other orders (an antithetic pair at ALPHA = 32 times one order's rounding)."""
+    ref = rng.standard_normal(n) * 1e-23
+    one_order = 1e-14
+    jit = (ref + rng.standard_normal(n) * one_order).astype(np.float32)
+    xi = rng.standard_normal((2, n)) * 32 * one_order
+    others = [[(ref + s * x).astype(np.float32)] for x in xi for s in (1, -1)]
+    return ref, jit, others, one_order
+
+
+def test_an_output_that_is_rounding_noise_is_judged_against_the_rounding_not_its_own_norm(rng):
+    """One element beyond every correct run by about one order's rounding: the allowance is the
+    rounding one correct order makes (‖reach‖/α), not c·u·sqrt(K)·‖ref64‖ ≈ 1e-27, which failed
+    such outputs; the report's relative figures are against the reach, not 1e8 (noise over noise)."""
+    ref, jit, others, one_order = _noise_output(rng)
+    reach = np.max([np.abs(o[0] - ref) for o in others] + [np.abs(jit - ref)], axis=0)
+    ours = (ref + reach * np.sign(rng.standard_normal(ref.size)) * 0.5).astype(np.float32)
+    ours[7] = np.float32(ref[7] + reach[7] + 2 * one_order)
+    v = judge([ours], [jit], [ref], ["2/0/mu/key/bias"], 32, others=others)
+    assert v.verified, v.summary()
+    c = v.worst
+    assert c.excess > 0 and c.err < 1 and c.baseline_err < 1 and c.reach == pytest.approx(1.0)
+
+
+def test_a_wrong_value_in_a_noise_output_still_fails(rng):
+    """A whole block off by far more than rounding (1e-6 where runs reach 3e-13) fails by far."""
+    ref, jit, others, _ = _noise_output(rng)
+    ours = jit.copy()
+    ours[:16] += np.float32(1e-6)
+    v = judge([ours], [jit], [ref], ["2/0/mu/key/bias"], 32, others=others)
+    assert not v.verified and v.worst.over > 100, v.summary()
+
+
+def test_subnormal_values_flushed_by_one_run_and_kept_by_another_verify():
+    """Adam's nu of a noise gradient, (1 − β₂)·g² ≈ 1e-45: jax.jit (XLA flushes subnormals) gives 0,
+    our numpy run a float32 subnormal, float64 1e-62. Every element's reach is at least
+    UNDERFLOW_C·λ; the figures stay relative to the reach, not 1e17."""
+    ref = np.full(16, 1e-62)
+    ref[::2] = 3e-46
+    jit = np.zeros(16, np.float32)
+    ours = np.full(16, np.float32(1.4e-45))
+    v = judge([ours], [jit], [ref], ["2/0/nu/key/bias"], 32)
+    assert v.verified, v.summary()
+    assert v.worst.err < 1e-6
+    # above the floor, a float32 value that should be 1e-30 and is 1e-29 is wrong
+    big = np.full(16, 1e-30)
+    assert not judge([np.full(16, np.float32(1e-29))], [big.astype(np.float32)], [big], ["x"], 32).verified
