@@ -72,7 +72,8 @@ ACCUMULATE_PRIMS = frozenset({"add", "add_any"})
 VIEW_PRIMS = frozenset({"reshape"})
 
 
-def stack_liveness(prog: Program, policy: str) -> tuple[Liveness, frozenset[int]]:
+def stack_liveness(prog: Program, policy: str, zero: frozenset[int] | None = None
+                   ) -> tuple[Liveness, frozenset[int]]:
     """:func:`.saved_liveness` plus the buffers a stack shares between values (not under the runtime's
     ``"program"`` convention, where every Var is its own buffer). Returns the lifetimes and the ids
     of the values that take no buffer of their own:
@@ -86,12 +87,14 @@ def stack_liveness(prog: Program, policy: str) -> tuple[Liveness, frozenset[int]
       the input's buffer, as PyTorch's ``AccumulateGrad`` (``.grad += g``), FSDP's sharded gradient
       accumulation and XLA's aliasing of a while loop's carry do; the input then lives to the end of
       ``prog`` (it *is* the output).
+
+    ``zero``: :func:`.residuals.on_chip` of ``prog`` if the caller has it already.
     """
     lv = saved_liveness(prog, policy)
     if policy == "program":
         return lv, frozenset()
     end = len(prog.eqns)
-    zero = on_chip(prog, policy)
+    zero = on_chip(prog, policy) if zero is None else zero
     ins = {v.id for v in prog.inputs}
     outs = {o.id for o in prog.outputs if type(o) is Var}
     last = dict(lv.last_use)
@@ -149,8 +152,7 @@ def peak_memory(program: Program | SpmdProgram, bodies: Mapping[int, MemoryProfi
     prog = program.program if isinstance(program, SpmdProgram) else program
     if bodies is None:
         bodies = loop_bodies(prog, policy)
-    lv, inplace = stack_liveness(prog, policy)
-    size = _sizes(prog, lv.initial, on_chip(prog, policy) | inplace)
+    lv, size = _lifetimes(prog, policy)
     live = input_bytes = sum(size[v.id] for v in lv.initial)
     points = [live]
     live -= sum(size[v.id] for v in lv.at_start)
@@ -219,6 +221,28 @@ def shared_loop_buffers(prog: Program, at: int, last: Mapping[int, int], body: M
     return out
 
 
+_LIFETIMES: dict[tuple[int, str], tuple[Program, Liveness, dict[int, int]]] = {}
+_MAX_LIFETIMES = 8
+
+
+def _lifetimes(prog: Program, policy: str) -> tuple[Liveness, dict[int, int]]:
+    """:func:`stack_liveness` of ``prog`` and its buffers' bytes (:func:`_sizes`), kept for the last
+    programs asked about (by identity, the program held so its id stays its own): the peak and the
+    breakdowns at other points (:func:`breakdown_at`, asked for by each overlap schedule's peak) read
+    the same lifetimes. Read only."""
+    key = (id(prog), policy)
+    hit = _LIFETIMES.get(key)
+    if hit is not None and hit[0] is prog:
+        return hit[1], hit[2]
+    zero = on_chip(prog, policy)
+    lv, inplace = stack_liveness(prog, policy, zero)
+    size = _sizes(prog, lv.initial, zero | inplace)
+    if len(_LIFETIMES) >= _MAX_LIFETIMES:
+        del _LIFETIMES[next(iter(_LIFETIMES))]              # the oldest
+    _LIFETIMES[key] = (prog, lv, size)
+    return lv, size
+
+
 def _sizes(prog: Program, initial: tuple[Var, ...], zero: frozenset[int] = frozenset()) -> dict[int, int]:
     """Bytes per buffer; the ``zero`` ones never reach HBM (a hand kernel's on-chip values)."""
     size = {v.id: nbytes_of(v) for v in initial}
@@ -232,8 +256,8 @@ def breakdown_at(program: Program, at: int, bodies: Mapping[int, MemoryProfile] 
                  policy: str = "program") -> dict[str, int]:
     """The program-order breakdown (module docstring) at point ``at`` (an equation; -1: start); at a
     loop point plus ``bodies[at]``'s (the body profile added there)."""
-    lv, inplace = stack_liveness(program, policy)
-    bd = _breakdown(program, at, lv.last_use, _sizes(program, lv.initial, on_chip(program, policy) | inplace))
+    lv, size = _lifetimes(program, policy)
+    bd = _breakdown(program, at, lv.last_use, size)
     return _with_body(bd, bodies.get(at) if bodies else None, program, at, lv.last_use, policy)
 
 

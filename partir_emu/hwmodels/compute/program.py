@@ -2,8 +2,8 @@
 
 :func:`analyze` computes, once per program, what every pricing reuses: per-equation FLOPs and
 unfused bytes (``costs.cost_rules``), op kinds, the communicating collectives (and which of them
-are priced alike), the program-order memory profile (``memory.peak_memory``) and the fusion plans
-(built per compiler variant on demand). A ``loop`` equation's body is analysed once, recursively
+are priced alike), and on demand the program-order memory profiles (``memory.peak_memory``, per
+stack policy) and the fusion plans (per compiler variant). A ``loop`` equation's body is analysed once, recursively
 (:class:`LoopCosts`), whatever its length: the pricing (:mod:`partir_emu.hwmodels.pricing`) walks it once and
 multiplies. :class:`ProgramAnalysis` adds the dependencies and the overlap plan, built when first
 asked for. :func:`compute_times` prices the fused groups on one chip.
@@ -38,7 +38,6 @@ class ProgramCosts:
     prim_index: np.ndarray       # index into prim_names
     prim_names: tuple[str, ...]
     comm: tuple[tuple[int, str, tuple[str, ...], int, str, tuple | None], ...]   # (index, prim, axes, nbytes, dtype, perm)
-    memory: MemoryProfile        # program order, loop bodies included (rule 5)
     comm_index: np.ndarray       # equation index of each entry of ``comm``
     comm_keys: tuple[tuple[str, tuple[str, ...], int, str, tuple | None], ...]   # distinct comm[1:], first seen first
     comm_inverse: np.ndarray     # for each entry of ``comm``: its index in ``comm_keys``
@@ -47,13 +46,20 @@ class ProgramCosts:
     loops: tuple[LoopCosts, ...] = ()     # the loop equations, in program order, each with its body's analysis
     loop_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))   # their indices
     _saved: dict[str, MemoryProfile] = field(default_factory=dict, repr=False, compare=False)
+    _program: Program | None = field(default=None, repr=False, compare=False)     # the program analysed
+
+    @property
+    def memory(self) -> MemoryProfile:
+        """The program-order profile, loop bodies included (rule 5), every value in HBM (policy
+        ``"program"``, the runtime's convention); built when first asked for (a stack's pricing asks
+        for its own policy's, :meth:`memory_for`)."""
+        assert self._program is not None
+        return self.memory_for(self._program, "program")
 
     def memory_for(self, program: Program, policy: str) -> MemoryProfile:
         """The program-order profile of ``program`` (the one analysed) when the stack keeps what
         ``policy`` says for the backward pass (:mod:`.residuals`; built once per policy, loop
         bodies by the same policy)."""
-        if policy == "program":
-            return self.memory
         hit = self._saved.get(policy)
         if hit is None:
             hit = self._saved[policy] = peak_memory(
@@ -124,12 +130,11 @@ def analyze(program: Program) -> ProgramCosts:
     is_comm = np.zeros(n, dtype=bool)
     is_comm[comm_index] = True
     flops_arr, bytes_arr = np.array(flops), np.array(byts)
-    memory = peak_memory(program, {lc.index: lc.body.costs.memory for lc in loops if lc.length > 0})
     pc = ProgramCosts(flops_arr, bytes_arr, np.array(rate, dtype=np.int8), np.array(kind, dtype=np.int8),
-                      np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm), memory,
+                      np.array(pidx, dtype=np.int32), tuple(prim_ids), tuple(comm),
                       comm_index, tuple(keys), np.array(inverse, dtype=np.int64), is_comm,
                       FusionCache(program, flops_arr, bytes_arr), tuple(loops),
-                      np.array([lc.index for lc in loops], dtype=np.int64))
+                      np.array([lc.index for lc in loops], dtype=np.int64), _program=program)
     return pc
 
 

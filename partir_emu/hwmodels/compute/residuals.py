@@ -54,6 +54,8 @@ def on_chip(program: Program, policy: str = "program") -> frozenset[int]:
     # a framework op's tag (``op.``) says how an eager stack launches kernels, not what it keeps:
     # what it saves for the backward is the policy's (its internals are never lifetimes' business)
     tags = [hand_tag(e.kernel, False) for e in program.eqns]
+    if not any(tags):                # no hand-fused kernel (most programs): nothing stays on chip
+        return frozenset()
     for e, t in zip(program.eqns, tags):
         for a in e.inputs:
             if type(a) is Var:
