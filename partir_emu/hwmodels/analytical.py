@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
+from partir_emu.hwmodels.bounds import StepBound
 from partir_emu.hwmodels.compute.program import LoopCosts, ProgramAnalysis, ProgramCosts, analyze, compute_times
 from partir_emu.hwmodels.machine.links import (
     FaultError,
@@ -58,7 +59,7 @@ from partir_emu.hwmodels.machine.slices import topology_for
 from partir_emu.hwmodels.machine.specs import HardwareSpec, SpecLoader
 from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.comm import CommModel, PriceCache
-from partir_emu.hwmodels.pricing import Priced, collective_rows, price, totals
+from partir_emu.hwmodels.pricing import Priced, collective_rows, price, totals, wire_keys
 from partir_emu.hwmodels.report import CollectiveRow, SimReport
 from partir_emu.hwmodels.timeline.overlap import OverlapPlan
 
@@ -74,7 +75,10 @@ class Analyzer:
     - collective prices per placement (:class:`~partir_emu.hwmodels.network.comm.PriceCache`);
     - the spec files read (:class:`~partir_emu.hwmodels.machine.specs.SpecLoader`), the topologies
       built (by spec, chips and slice) and the placements built on them, by (mesh axes, spec,
-      mapping, slice) (hashable keys; at most ``max_placements``).
+      mapping, slice) (hashable keys; at most ``max_placements``);
+    - the steps a placement search found, by everything the steps depend on (:meth:`step_key`), so
+      a spec that differs only in what no step reads (its HBM capacity, its name) is not searched
+      again (:func:`~partir_emu.hwmodels.machine.search.search_placement`; at most ``max_placements``).
 
     ``eqns_priced`` counts the work done: equations analysed, plus equations walked by each pricing
     (a loop body once per pricing, whatever its length).
@@ -89,12 +93,14 @@ class Analyzer:
         self._programs: list[ProgramAnalysis] = []              # least recently used first
         self._placements: dict[tuple, Placement] = {}
         self._topologies: dict[tuple, Topology] = {}
+        self.searches: dict[tuple, tuple] = {}                  # step_key -> (program, steps, complete)
         self.eqns_priced = 0
 
     def clear(self) -> None:
         self._programs.clear()
         self._placements.clear()
         self._topologies.clear()
+        self.searches.clear()
         self.prices.clear()
         self.specs.clear()
 
@@ -179,6 +185,48 @@ class Analyzer:
         factors = link_factors(placement.topology, degraded_links or {}, failed_links)
         return CommModel(placement, algorithms, self.prices, factors), slow
 
+    def comm_model(self, spmd: SpmdProgram, placement: Placement, *, algorithms: str | dict[str, str] | None = None,
+                   comm_streams: int = 1, stragglers: Mapping[int, float] | None = None,
+                   degraded_links: Mapping[str, float] | None = None, failed_links: Sequence[str] = (),
+                   **_: object) -> CommModel:
+        """The collective model :meth:`step` prices ``placement`` with (its prices kept in ``prices``)."""
+        return self._model(spmd, placement, algorithms, comm_streams, stragglers, degraded_links, failed_links)[0]
+
+    def wire_keys(self, program: Program, spec: HardwareSpec) -> list[tuple]:
+        """The distinct collectives of ``program`` as :meth:`step` prices them on ``spec`` (its stack's wire types)."""
+        return wire_keys(self.entry(program).costs.comm_keys, spec)
+
+    def step_bound(self, spmd: SpmdProgram, spec: HardwareSpec, overlap: bool, *, prefetch_bytes: int | None = None,
+                   comm_streams: int = 1, stragglers: Mapping[int, float] | None = None, **_: object
+                   ) -> StepBound | None:
+        """Lower bounds of :meth:`step` on any placement from some collective prices (:mod:`.bounds`)."""
+        scale = straggler_scale(check_stragglers(stragglers, spmd.mesh.size), spmd.mesh.size)
+        return StepBound.of(self.entry(spmd.program), spec, overlap, prefetch_bytes, int(comm_streams), scale)
+
+    def step_key(self, spmd: SpmdProgram, spec: HardwareSpec, overlap: bool,
+                 slice_dims: Sequence[int] | None = None, **options: object) -> tuple | None:
+        """Everything :meth:`step` reads besides the placement, hashable: the program (by identity: keep
+        it alive beside the key), the compute time of each of its equations and its loop bodies' on
+        ``spec``, the stack (its wire types), the spec's whole network table and the topology's key (its
+        links: what the collective prices read; the network table also says how the schedule treats
+        them), the slice, ``overlap`` and the other options of :meth:`step`. Two specs with equal keys
+        give every placement of the program the same step; None when an option does not hash."""
+        options.pop("model_flops", None)                        # step ignores it
+        try:
+            opts = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, Mapping) else
+                                 tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items()))
+            hash(opts)
+        except TypeError:
+            return None
+        topo = self.topology(spec, spmd.mesh.size, slice_dims)
+        return (id(spmd.program), spmd.mesh, _times_bytes(self.entry(spmd.program), spec), spec.stack, spec.network,
+                topo.key, None if slice_dims is None else tuple(slice_dims), bool(overlap), opts)
+
+    def remember_search(self, key: tuple, value: tuple) -> None:
+        if len(self.searches) >= self.max_placements:
+            del self.searches[next(iter(self.searches))]        # the oldest
+        self.searches[key] = value
+
     def step(self, spmd: SpmdProgram, spec: HardwareSpec | str,
              placement: Placement | str | Mapping | None = None, overlap: bool = False, *,
              algorithms: str | dict[str, str] | None = None, slice_dims: tuple[int, ...] | None = None,
@@ -224,6 +272,13 @@ class Analyzer:
             mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
             fusion=tot.fusion, collectives=tuple(collective_rows(pr)), faults=faults, comm_streams=int(comm_streams),
             stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes))
+
+
+def _times_bytes(entry: ProgramAnalysis, spec: HardwareSpec) -> bytes:
+    """The compute time of every equation of ``entry``'s program and of its loop bodies on ``spec``, as bytes."""
+    out = [compute_times(entry.costs, spec).tobytes()]
+    out += [_times_bytes(lc.body, spec) for lc in entry.costs.loops]
+    return b"|".join(out)
 
 
 """The analyzer of callers that pass none (``simulate(spmd, spec)``, ``simulate_des``): repeated

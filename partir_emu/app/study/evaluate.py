@@ -13,6 +13,7 @@ replays a configuration in the discrete-event model on the same placement.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,11 @@ class Study:
                 self._lowered[key] = (exp, exp.lower().spmd, model_flops_per_device(exp))
             except PartirError as exc:
                 self._lowered[key] = exc
+            # the lowered programs (tens of thousands of objects each) live as long as the study: out of
+            # the cyclic collector's way, whose full passes would walk them again and again while pricing
+            # (the lowering's own garbage collected first, so none of it is kept)
+            gc.collect()
+            gc.freeze()
             self.lower_s += time.perf_counter() - t0
         return self._lowered[key]
 
@@ -117,7 +123,8 @@ class Study:
         _, spmd, model_flops = low
         t0 = time.perf_counter()
         try:
-            placed = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap)
+            # prune: the study keeps the best placement only (the same one, not every candidate's step)
+            placed = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap, prune=True)
             sim = simulate(spmd, spec, placed.placement, overlap=self.overlap, analyzer=self.analyzer,
                            model_flops=model_flops)
         except PartirError as exc:

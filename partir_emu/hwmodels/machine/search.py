@@ -9,10 +9,22 @@ symmetry of the topology (permuting physical dims of equal size and wraparound) 
 other are priced once; the default fill always comes first, then the placements that split fewest
 dims (ties: by their mapping text), up to ``limit``.
 
-:func:`search_placement` prices each with the analytical model (``Analyzer.simulate``) and keeps
+:func:`search_placement` prices each with the analytical model (``Analyzer.step``) and keeps
 the cheapest; ties go to the default fill, then to the lexicographically first mapping. Its
 :class:`PlacementChoice` carries the runner-up, every candidate's step, the search time, and the
 warnings of the chosen placement with their price (:func:`priced_warnings`).
+
+Two things make a search cheaper without changing what it chooses:
+
+- the steps found are kept in the Analyzer by everything they depend on
+  (:meth:`~partir_emu.hwmodels.analytical.Analyzer.step_key`: the program, its compute times on the
+  chip, the stack, the topology's links, the options), so a spec that differs only in what no step
+  reads (a what-if of the HBM capacity) takes them without pricing;
+- ``prune=True`` (a study, which wants the best only) skips a placement once a lower bound of its
+  step (:mod:`partir_emu.hwmodels.bounds`, from the prices of some of its collectives) is above the
+  best step found so far (beyond the tie margin, so the best and its ties are always priced): the
+  chosen placement and its step are the same, but ``candidates`` holds only the placements priced
+  to the end (the runner-up is the best of those).
 """
 from __future__ import annotations
 
@@ -23,10 +35,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels.analytical import Analyzer
+from partir_emu.hwmodels.bounds import Probe
 from partir_emu.hwmodels.machine.mapping import Factor
 from partir_emu.hwmodels.machine.placement import Placement
 from partir_emu.hwmodels.machine.specs import HardwareSpec
@@ -189,22 +204,31 @@ def enumerate_placements(mesh: Mesh, topology: Topology, limit: int = 64) -> tup
 
 # -- search -------------------------------------------------------------------------------------------
 def search_placement(spmd: SpmdProgram, spec: HardwareSpec | str, analyzer: Analyzer | None = None, overlap: bool = False,
-                     slice_dims: Sequence[int] | None = None, *, limit: int = 64,
+                     slice_dims: Sequence[int] | None = None, *, limit: int = 64, prune: bool = False,
                      **simulate_kwargs) -> PlacementChoice:
     """Price every placement of :func:`enumerate_placements` with ``Analyzer.step`` (``overlap`` and
     ``simulate_kwargs`` passed on: ``algorithms``, ``prefetch_bytes``, fault options...) and keep the
-    cheapest. ``analyzer``: an :class:`~partir_emu.hwmodels.analytical.Analyzer` (default: a new one)."""
+    cheapest. ``analyzer``: an :class:`~partir_emu.hwmodels.analytical.Analyzer` (default: a new one).
+    ``prune``: skip the placements that surely cannot win (module docstring)."""
     t0 = time.perf_counter()
     analyzer = analyzer if analyzer is not None else Analyzer()
     spec = analyzer.spec(spec)
     topo = analyzer.topology(spec, spmd.mesh.size, slice_dims)
     places, count = enumerate_placements(spmd.mesh, topo, limit)
     default_text = places[0].mapping_text() if places[0].mapping is None else None
+    key = analyzer.step_key(spmd, spec, overlap, slice_dims, limit=limit, **simulate_kwargs)
+    hit = analyzer.searches.get(key) if key is not None else None
+    if hit is not None and hit[0] is spmd.program and (prune or hit[2]):
+        steps = hit[1]
+    else:
+        steps = _steps(spmd, spec, analyzer, places, overlap, prune, simulate_kwargs)
+        if key is not None:
+            analyzer.remember_search(key, (spmd.program, steps, len(steps) == len(places)))
     priced: list[tuple[float, int, str, Placement]] = []
-    for p in places:
-        text = p.mapping_text() or p.describe()
-        step = float(analyzer.step(spmd, spec, placement=p, overlap=overlap, **simulate_kwargs))
-        priced.append((step, 0 if text == default_text else 1, text, p))
+    for i, p in enumerate(places):
+        if i in steps:
+            text = p.mapping_text() or p.describe()
+            priced.append((steps[i], 0 if text == default_text else 1, text, p))
     order = _rank(priced)
     best, runner = order[0], (order[1] if len(order) > 1 else None)
     steps = {t: s for s, _, t, _ in priced}
@@ -218,6 +242,42 @@ def search_placement(spmd: SpmdProgram, spec: HardwareSpec | str, analyzer: Anal
     dflt = next((t for t in priced if t[1] == 0), None)
     dflt_warnings = tuple(priced_warnings(dflt[3], dflt[0], choice)) if dflt is not None and dflt is not best else ()
     return _replace(choice, warnings=warnings, default_warnings=dflt_warnings, search_s=time.perf_counter() - t0)
+
+
+def _steps(spmd: SpmdProgram, spec: HardwareSpec, analyzer: Analyzer, places: list[Placement], overlap: bool,
+           prune: bool, kw: dict) -> dict[int, float]:
+    """The step of each placement priced, by its index in ``places``. With ``prune`` those that surely
+    cannot win are left out: every placement's bound is raised by its most telling collective
+    (:mod:`partir_emu.hwmodels.bounds`, the chain fitted to byte-count estimates), the lowest is priced
+    in full (and the chain fitted again to its prices), then each other one, lowest bound first, is
+    priced in full unless its bound, raised one collective at a time, passes the best step so far."""
+    def step(i: int) -> float:
+        return float(analyzer.step(spmd, spec, placement=places[i], overlap=overlap, **kw))
+
+    bound = analyzer.step_bound(spmd, spec, overlap, **kw) if prune and len(places) > 1 else None
+    if bound is None:
+        return {i: step(i) for i in range(len(places))}
+    keys = analyzer.wire_keys(spmd.program, spec)
+
+    def probe(p: Placement) -> Probe:
+        model = analyzer.comm_model(spmd, p, **kw)
+        return Probe(bound, lambda k: model.cost(*keys[k]).time_s)
+
+    fastest = max((lk.bw_bytes_per_s for lk in places[0].topology.links), default=1.0)
+    bound.fit(np.array([nbytes / fastest for _, _, nbytes, _, _ in keys], dtype=np.float64))
+    probes = {i: probe(p) for i, p in enumerate(places)}
+    for pr in probes.values():
+        pr.advance(1)
+    steps: dict[int, float] = {}
+    best = math.inf
+    for i in sorted(probes, key=lambda i: (probes[i].value, i)):
+        if steps and probes[i].exceeds(best * (1 + 2 * TIE_REL)):   # beyond the tie margin: the choice stands
+            continue
+        steps[i] = step(i)
+        best = min(best, steps[i])
+        if len(steps) == 1:                                  # its prices are known now: a better chain
+            bound.fit(np.array([probes[i].price(k) for k in range(len(keys))], dtype=np.float64))
+    return steps
 
 
 def _rank(priced: list[tuple[float, int, str, Placement]]) -> list[tuple[float, int, str, Placement]]:
@@ -253,19 +313,20 @@ def priced_warnings(placement: Placement, step_s: float, choice: PlacementChoice
 
 def resolve_placement(spmd: SpmdProgram, spec: HardwareSpec | str, text: str | Mapping | None,
                       analyzer: Analyzer | None = None,
-                      overlap: bool = False, slice_dims: Sequence[int] | None = None, **simulate_kwargs
-                      ) -> tuple[Placement, PlacementChoice | None, list[str]]:
+                      overlap: bool = False, slice_dims: Sequence[int] | None = None, *, prune: bool = False,
+                      **simulate_kwargs) -> tuple[Placement, PlacementChoice | None, list[str]]:
     """What the CLI uses: ``"auto"`` (or ``None``) searches; ``"default"`` or an explicit mapping is placed
     as given. Returns (placement, the search if one ran, priced warnings of the placement). An
-    explicit or default placement is searched only when it has warnings, to price them."""
+    explicit or default placement is searched only when it has warnings, to price them. ``prune``:
+    as :func:`search_placement`'s."""
     if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
-        choice = search_placement(spmd, spec, analyzer, overlap, slice_dims, **simulate_kwargs)
+        choice = search_placement(spmd, spec, analyzer, overlap, slice_dims, prune=prune, **simulate_kwargs)
         return choice.best, choice, list(choice.warnings)
     analyzer = analyzer if analyzer is not None else Analyzer()
     spec = analyzer.spec(spec)
     placement = analyzer.placement(spmd.mesh, spec, text, slice_dims)
     if not placement.warnings():
         return placement, None, []
-    choice = search_placement(spmd, spec, analyzer, overlap, placement.topology.dims, **simulate_kwargs)
+    choice = search_placement(spmd, spec, analyzer, overlap, placement.topology.dims, prune=prune, **simulate_kwargs)
     own = analyzer.simulate(spmd, spec, placement=placement, overlap=overlap, **simulate_kwargs).step_s
     return placement, choice, priced_warnings(placement, float(own), choice)
