@@ -165,7 +165,7 @@ class Jitted:
         A step that casts to a narrower float inside (a bf16 step, or a module whose ``dtype`` is
         float32, as HF transformers' Flax models are by default) still rounds there under x64, so
         its float64 reference is only as exact as those casts; the verdict's ``reference`` says
-        where (``"float32 in 672 of 1651 equations"``) and its summary names it. The scenarios
+        where (``"float32 in 669 of 1651 equations"``) and its summary names it. The scenarios
         build such steps again without the casts, which a user's function cannot be (give such a
         module ``dtype=jnp.float64``: it computes in float32 without x64, in float64 with it)."""
         jax = _jax()

@@ -155,7 +155,7 @@ class Verdict:
     reduction_length: int
     criterion: str = "elementwise reach of correct runs vs float64, normwise allowance"
     # what the float64 reference computed in: "float64", or where the step narrowed floats under x64
-    # (a module's dtype, an explicit cast), e.g. "float32 in 672 of 1651 equations"
+    # (a module's dtype, an explicit cast), e.g. "float32 in 669 of 1651 equations"
     reference: str = "float64"
 
     @property

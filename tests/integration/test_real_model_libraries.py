@@ -100,6 +100,10 @@ def test_a_real_library_model_verifies_with_the_expected_collectives(model, stra
         assert any("model" in a for _, a in kinds), counts      # the search sharded something on model
     verdict = jitted.verify(*args)
     assert verdict.verified, verdict.summary()
+    if CASES[model].float32_in_reference:        # the library casts there: the verdict must say so
+        assert verdict.reference.startswith("float32 in "), verdict.reference
+    else:                                        # a real float64 reference, not a float32 run
+        assert verdict.reference == "float64", verdict.reference
 
 
 @pytest.mark.xdist_group("real-model-hf-gpt2")
