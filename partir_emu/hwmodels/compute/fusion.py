@@ -175,6 +175,7 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
     reads: list[tuple] = [()] * len(eqns)
     memo: dict[int, list] = {}
     epilogue, operand, eager = compiler.matmul_epilogue, compiler.matmul_operand_fusion, compiler.eager
+    parent, find, get = gs.parent, gs.find, prod.get
     for i, e in enumerate(eqns):
         for o in e.outputs:
             prod[o.id] = i
@@ -184,7 +185,12 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
         # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
         tag = tags[i] if op_kind.get(e.prim) != "collective" and e.prim != "loop" else ""
         g = gs.new(tag)
-        cand = {gs.find(gid[p]) for v, _ in rd if (p := prod.get(v.id)) is not None}
+        cand = set()
+        for v, _ in rd:
+            p = get(v.id)
+            if p is not None:
+                r = gid[p]
+                cand.add(r if parent[r] == r else find(r))    # most groups are their own root
         c = cls[i]
         # eager: an untagged op is one kernel (a dot's bias add joins the dot, then closes it)
         close_self = c in (REDUCE, OPAQUE, CHEAP) or (c == DOT and epilogue == "none") or (eager and c != DOT)
@@ -225,10 +231,11 @@ def _expanded_reads(e, eqns, prod: dict[int, int], transparent: Sequence[bool], 
         o = e.outputs[0]
         partial = buffer_bytes(o.shape, o.dtype)
     out: list = []
+    get = prod.get
     for k, a in enumerate(e.inputs):
         if type(a) is not Var:
             continue
-        p = prod.get(a.id)
+        p = get(a.id)
         if p is not None and transparent[p]:
             x = memo.get(p)
             if x is None:

@@ -12,6 +12,7 @@ The GEMM shape of a matmul-kind equation, and what a flash-attention kernel's do
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ def dot_dims(e) -> tuple[int, int, int, int]:
         return conv_gemm_dims(e)
     lhs, rhs = e.inputs[0], e.inputs[1]
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-    prod = np.prod
+    prod = math.prod                 # exact on ints (dims are ints)
     b = int(prod([lhs.shape[i] for i in lb]))
     k = int(prod([lhs.shape[i] for i in lc]))
     m = int(prod([s for i, s in enumerate(lhs.shape) if i not in lc and i not in lb]))
@@ -103,19 +104,21 @@ def measure(program: Program, flops: np.ndarray, byts: np.ndarray, cls: Sequence
             opaque[gl[i]] = True                 # its own cost rule (in-place updates, sort, collectives)
     ext: dict[tuple[int, int], float] = {}       # (group, var id) -> bytes read from outside
     written: dict[int, tuple[int, float]] = {}   # var id -> (producer group, bytes)
+    group_of_var, ext_get = prod_group.get, ext.get
     for i in range(n):
         g = gl[i]
         if g < 0:
             continue
         for v, amount in reads[i] or _plain_reads(eqns[i]):
-            pg = prod_group.get(v.id, -1)
+            vid = v.id
+            pg = group_of_var(vid, -1)
             if pg == g:
                 continue
             full = buffer_bytes(v.shape, v.dtype)
             if pg >= 0:
-                written[v.id] = (pg, full)
-            key = (g, v.id)
-            prev = ext.get(key, 0.0)
+                written[vid] = (pg, full)
+            key = (g, vid)
+            prev = ext_get(key, 0.0)
             ext[key] = full if amount < 0 or prev >= full else min(full, prev + amount)
     for out in program.outputs:                  # a Var or a Literal (never written by a group)
         if type(out) is Var and prod_group.get(out.id, -1) >= 0:
