@@ -34,6 +34,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import MeshError, PlacementError
 from partir_emu.hwmodels.machine.mapping import Factor, dims_from_mapping, explicit_placement, parse_mapping
@@ -137,8 +139,26 @@ class Placement:
         """The chip (``Topology`` node id) that hosts mesh device ``device``."""
         table = self._chips
         if table is None:
-            table = self._chips = tuple(self._chip(d) for d in range(self.mesh.size))
+            table = self._chips = self._chip_table()
         return table[device]
+
+    def _chip_table(self) -> tuple[int, ...]:
+        """The chip of every device, as :meth:`_chip` finds one's, with array operations (a placement
+        search builds the table of every placement it prices)."""
+        topo = self.topology
+        if type(topo).chip_at is not Topology.chip_at:          # a topology numbering its own way
+            return tuple(self._chip(d) for d in range(self.mesh.size))
+        rest = np.arange(self.mesh.size, dtype=np.int64)
+        coords = np.zeros((len(topo.dims), self.mesh.size), dtype=np.int64)
+        for axis, size in reversed(self.mesh.axes):              # row-major device numbering
+            rest, c = np.divmod(rest, size)
+            for f in reversed(self.factors[axis]):
+                c, digit = np.divmod(c, f.size)
+                coords[f.dim] += digit * f.stride
+        chip = np.zeros(self.mesh.size, dtype=np.int64)
+        for d, size in enumerate(topo.dims):                     # Topology.chip_at: row-major over the dims
+            chip = chip * size + coords[d]
+        return tuple(chip.tolist())
 
     def _chip(self, device: int) -> int:
         coords = [0] * len(self.topology.dims)
