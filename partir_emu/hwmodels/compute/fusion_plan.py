@@ -102,31 +102,37 @@ def measure(program: Program, flops: np.ndarray, byts: np.ndarray, cls: Sequence
     for i in range(n):
         if gl[i] >= 0 and cls[i] == OPAQUE:
             opaque[gl[i]] = True                 # its own cost rule (in-place updates, sort, collectives)
-    ext: dict[tuple[int, int], float] = {}       # (group, var id) -> bytes read from outside
+    ext: dict[int, dict[int, float]] = {}        # group -> var id -> bytes read from outside
     written: dict[int, tuple[int, float]] = {}   # var id -> (producer group, bytes)
-    group_of_var, ext_get = prod_group.get, ext.get
+    size: dict[int, int] = {}                    # var id -> bytes of its buffer
+    group_of_var, size_get = prod_group.get, size.get
     for i in range(n):
         g = gl[i]
         if g < 0:
             continue
+        outside = ext.get(g)
+        if outside is None:
+            outside = ext[g] = {}
         for v, amount in reads[i] or _plain_reads(eqns[i]):
             vid = v.id
             pg = group_of_var(vid, -1)
             if pg == g:
                 continue
-            full = buffer_bytes(v.shape, v.dtype)
+            full = size_get(vid)
+            if full is None:
+                full = size[vid] = buffer_bytes(v.shape, v.dtype)
             if pg >= 0:
                 written[vid] = (pg, full)
-            key = (g, vid)
-            prev = ext_get(key, 0.0)
-            ext[key] = full if amount < 0 or prev >= full else min(full, prev + amount)
+            prev = outside.get(vid, 0.0)
+            outside[vid] = full if amount < 0 or prev >= full else min(full, prev + amount)
     for out in program.outputs:                  # a Var or a Literal (never written by a group)
         if type(out) is Var and prod_group.get(out.id, -1) >= 0:
             written[out.id] = (prod_group[out.id], buffer_bytes(out.shape, out.dtype))
     gbytes = np.zeros(G)
-    for (g, _), b in ext.items():
+    for g, outside in ext.items():               # (a group's reads summed in the order they were made)
         if not opaque[g]:
-            gbytes[g] += b
+            for b in outside.values():
+                gbytes[g] += b
     for pg, b in written.values():
         if not opaque[pg]:
             gbytes[pg] += b
