@@ -49,7 +49,7 @@ def _zero3(program, devices: int) -> dict[str, int]:
     """Every parameter and Adam moment on its first dim that ``devices`` divide (ZeRO-3 over the data axis)."""
     out = {}
     for name, v in zip(program.input_names, program.inputs):
-        if name.startswith(("params/", "opt/")) and ("/mu/" in name or "/nu/" in name or name.startswith("params/")):
+        if name.startswith("params/") or (name.startswith("opt/") and ("/mu/" in name or "/nu/" in name)):
             dims = [d for d, n in enumerate(v.shape) if n % devices == 0]
             if dims:
                 out[name] = dims[0]
