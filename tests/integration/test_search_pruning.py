@@ -7,9 +7,10 @@
 - the steps a search keeps (``Analyzer.searches``) serve a spec that differs only in what no step
   reads (its HBM capacity), and never one whose compute or network differs (a stale hit would give
   the old spec's steps: the fresh search of the edited spec tells);
-- the memory lifetimes kept per program (``compute.memory._lifetimes``) are those of the program asked about.
+- the memory lifetimes kept per program (``compute.memory._lifetimes``) are those of the program asked about;
+- a study (all of the above together) prices every configuration as it is priced alone.
 
-Cost: about 10 s (two tiny transformers lowered, 32 chips, priced on two chips)."""
+Cost: about 15 s (two tiny transformers lowered, 32 chips, priced on two chips)."""
 from __future__ import annotations
 
 import functools
@@ -137,3 +138,27 @@ def test_kept_lifetimes_are_the_programs_own(megatron):
     for p in (other, megatron, other):
         assert (memory.peak_memory(p.program, policy=policy),
                 memory.breakdown_at(p.program, 5, policy=policy)) == want[id(p)]
+
+
+def test_a_study_prices_each_configuration_as_one_by_one():
+    """The study (pruned searches, kept steps across what-ifs, one Analyzer) against each configuration
+    priced alone with a new Analyzer and a full search; a cold copy prices the same rows again."""
+    from partir_emu.app.cli.simulate import choose_placement
+    from partir_emu.app.study.evaluate import GIB, Study
+    from partir_emu.app.study.space import Config
+    from partir_emu.hwmodels.analytical import simulate
+    configs = [Config("transformer", "tiny", "batch=64", "bp+mp+z3", Mesh(batch=8, model=4), hw, WhatIf.parse(w) if w
+                      else WhatIf()) for hw in SPECS for w in ("", "hbm_gb=64", "ici_bw*2", "hbm_bw*2,hbm_gb=64")]
+    study = Study()
+    rows = study.run(configs)
+    assert 0 < study.analyse_s < study.price_s
+    for c, r in zip(configs, rows):
+        _, spmd, flops = study.lowered(c)
+        spec = study.spec(c.hardware, c.what_if)
+        an = Analyzer()
+        alone = simulate(spmd, spec, choose_placement(spmd, spec, None, an, overlap=True).placement, overlap=True,
+                         analyzer=an, model_flops=flops)
+        assert (r.figures["step_s"], r.figures["peak_gib"], r.figures["placement"]) == \
+            (alone.step_s, alone.peak_bytes_per_device / GIB, alone.placement), c
+    again = study.cold_copy().run(configs)
+    assert [r.to_json() for r in again] == [r.to_json() for r in rows]

@@ -26,7 +26,7 @@ from partir_emu.app.study.space import Config
 from partir_emu.app.study.whatif import Edit, WhatIf, apply
 from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
-from partir_emu.hwmodels.compute.stack import load_stack
+from partir_emu.hwmodels.compute.stack import StackSpec, load_stack
 from partir_emu.hwmodels.des.model import simulate_des
 from partir_emu.hwmodels.machine.slices import chips_limit
 
@@ -75,7 +75,7 @@ class Row:
 class Study:
     """The shared state of one study (module docstring)."""
 
-    def __init__(self, stack: str = "xla", placement: str | None = None, overlap: bool = True) -> None:
+    def __init__(self, stack: str | StackSpec = "xla", placement: str | None = None, overlap: bool = True) -> None:
         self.stack = load_stack(stack)
         self.placement = placement
         self.overlap = overlap
@@ -85,7 +85,15 @@ class Study:
         self._lowered: dict[tuple, Any] = {}
         self._specs: dict[tuple[str, WhatIf], Any] = {}
         self.lower_s = 0.0
-        self.price_s = 0.0
+        self.price_s = 0.0          # everything after lowering, ...
+        self.analyse_s = 0.0        # ... of which the work a program's configurations share (:meth:`analyse`)
+
+    def cold_copy(self) -> Study:
+        """A study over the same lowered programs with nothing priced yet (a new Analyzer): what pricing
+        them again costs (``benchmarks/study_speed.py`` repeats its measurement with it)."""
+        out = Study(self.stack, self.placement, self.overlap)
+        out._lowered = self._lowered
+        return out
 
     def spec(self, hardware: str, what_if: WhatIf) -> Any:
         key = (hardware, what_if)
@@ -123,6 +131,7 @@ class Study:
         _, spmd, model_flops = low
         t0 = time.perf_counter()
         try:
+            self.analyse(spmd, spec)
             # prune: the study keeps the best placement only (the same one, not every candidate's step)
             placed = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap, prune=True)
             sim = simulate(spmd, spec, placed.placement, overlap=self.overlap, analyzer=self.analyzer,
@@ -140,6 +149,17 @@ class Study:
             status = "does not fit"
             reason = f"needs {figures['needed_gib']:.1f} of {figures['hbm_gib']:.1f} GiB per device"
         return Row(cfg, status, reason, figures, sim, placed.placement)
+
+    def analyse(self, spmd: Any, spec: Any) -> None:
+        """What every configuration of ``spmd``'s program shares, done on its first (and kept by the
+        Analyzer): the program's analysis, its overlap plan and memory profile under the study's stack,
+        and the fusion plan of ``spec``'s compiler; the time taken adds to ``analyse_s``."""
+        t0 = time.perf_counter()
+        entry = self.analyzer.entry(spmd.program)
+        entry.overlap_plan()
+        entry.costs.memory_for(entry.program, spec.stack.saved_activations)
+        entry.costs.fusion.plan(spec.kernels)
+        self.analyse_s += time.perf_counter() - t0
 
     def run(self, configs: Sequence[Config], on_row: Callable[[int, Row], None] | None = None) -> list[Row]:
         rows = []
