@@ -90,7 +90,8 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     if overlap:
         plan = entry.overlap_plan()
         contention = Contention.of(model, keys) if comm_streams > 1 and len(keys) else None
-        sched = schedule(plan, times, prefetch_bytes, comm_streams, contention, pc.comm_inverse.tolist())
+        sched = schedule(plan, times, prefetch_bytes, comm_streams, contention, pc.comm_inverse.tolist(),
+                         blocking=blocking_collectives(pc, model))
         step_s = sched.step_s
         if contention is not None:          # collectives in flight together last longer than priced alone
             comm_s += float(np.sum(np.subtract(sched.finish, sched.start))) - float(times[is_comm].sum())
@@ -99,6 +100,15 @@ def price(entry: ProgramAnalysis, spec: HardwareSpec, model: CommModel, overlap:
     else:
         step_s = compute_s + comm_s
     return Priced(entry, times, costs, compute_s, comm_s, float(step_s), sched, mem, bodies, walked)
+
+
+def blocking_collectives(pc: ProgramCosts, model: CommModel) -> tuple[int, ...]:
+    """The collectives of ``pc`` (program order) that block the compute stream on ``model``'s placement
+    (:meth:`~.network.comm.CommModel.blocks_compute`: across TPU slices whose DCN does not overlap compute)."""
+    if not len(pc.comm_keys) or getattr(model.placement.topology, "dcn_overlaps_compute", True):
+        return ()
+    blocks = [model.blocks_compute(key[1]) for key in pc.comm_keys]
+    return tuple(c for c, k in enumerate(pc.comm_inverse.tolist()) if blocks[k])
 
 
 def wire_keys(keys: Sequence[tuple], spec: HardwareSpec) -> list[tuple]:

@@ -48,7 +48,10 @@ def test_a_transfer_across_slices_crosses_pcie_both_nics_and_pcie():
     route = t.route(3, 256 + 17)
     assert [lk.kind for lk in route] == ["pcie", "dcn", "dcn", "pcie"]
     assert [lk.src for lk in route] == [3, "host0", "dcn", "host34"]       # chip 273 is on host 273 // 8
-    assert route[1].bw_bytes_per_s == DCN.host_bw_bytes_per_s and route[0].bw_bytes_per_s == DCN.pcie_bw_bytes_per_s
+    # the NIC as achieved: the nominal bandwidth times the spec's achieved fraction, the latency over it
+    assert route[1].bw_bytes_per_s == pytest.approx(DCN.host_bw_bytes_per_s * DCN.achieved_fraction, rel=1e-15)
+    assert route[1].latency_s == pytest.approx(DCN.latency_s / DCN.achieved_fraction, rel=1e-15)
+    assert route[0].bw_bytes_per_s == DCN.pcie_bw_bytes_per_s
     assert {t.route(c, 256 + c)[1].id for c in range(8)} == {route[1].id}    # a host's 8 chips share its NIC
     assert t.route(8, 264)[1].id != route[1].id
 
@@ -63,8 +66,23 @@ def test_a_ring_all_reduce_across_slices_is_the_closed_form_with_the_nic_shared(
     n = 64 << 20
     cost = CommModel(placement).cost("all_reduce", ("dcn",), n, "float32")
     assert cost.algorithm == "ring"
-    per_step = n / slices * DCN.chips_per_host / DCN.host_bw_bytes_per_s + 2 * DCN.latency_s
+    f = DCN.achieved_fraction
+    per_step = n / slices * DCN.chips_per_host / (f * DCN.host_bw_bytes_per_s) + 2 * DCN.latency_s / f
     assert cost.time_s == pytest.approx(2 * (slices - 1) * per_step, rel=1e-9)
+
+
+def test_the_achieved_fraction_scales_the_nic_alone():
+    """At fraction 1 the NIC is the nominal figure; at 0.5 a DCN ring takes the closed form with half
+    the NIC bandwidth and twice its latency, while ICI and PCIe are untouched."""
+    nominal = load_spec("tpu-v5e", overrides={"dcn.achieved_fraction": 1.0})
+    half = load_spec("tpu-v5e", overrides={"dcn.achieved_fraction": 0.5})
+    t1, t2 = topology_for(nominal, 128, (2, 8, 8)), topology_for(half, 128, (2, 8, 8))
+    for a, b in zip(t1.links, t2.links):
+        scale = 0.5 if a.kind == "dcn" else 1.0
+        assert b.bw_bytes_per_s == a.bw_bytes_per_s * scale and b.latency_s == a.latency_s / scale
+    assert t1.route(0, 64)[1].bw_bytes_per_s == DCN.host_bw_bytes_per_s
+    with pytest.raises(SpecError, match=r"dcn.achieved_fraction = 1.5 is outside"):
+        load_spec("tpu-v5e", overrides={"dcn.achieved_fraction": 1.5})
 
 
 def test_a_spec_without_dcn_cannot_build_slices_and_bad_dcn_fields_are_named():

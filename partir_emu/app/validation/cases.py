@@ -152,6 +152,9 @@ _MECHANISMS = (
     _c("transformer", "bp+z3@batch", "tpu-v5e", "dcn=2,batch=16", slice_dims="2x4x4",
        overrides="layers=2,batch=64", mechanism=_NIC),
     _c("mlp", "bp", "tpu-v5e", "dcn=4,batch=16", slice_dims="4x4x4", mechanism=_NIC),
+    # with overlap: the DCN all-reduces block the compute stream ([dcn] overlaps_compute = false)
+    _c("transformer", "bp+z3@batch", "tpu-v5e", "dcn=2,batch=16", slice_dims="2x4x4",
+       overrides="layers=2,batch=64", overlap=True, mechanism=_NIC),
 )
 
 SUITES: dict[str, tuple[Case, ...]] = {"default": _CLOSED_FORM + _MECHANISMS}

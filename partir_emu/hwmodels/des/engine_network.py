@@ -27,6 +27,7 @@ from partir_emu.hwmodels.des.model import DesOptions, Simulation
 from partir_emu.hwmodels.des.network.routing import DesError
 from partir_emu.hwmodels.machine.placement import Placement
 from partir_emu.hwmodels.machine.specs import HardwareSpec
+from partir_emu.hwmodels.pricing import blocking_collectives
 from partir_emu.hwmodels.timeline.overlap import OverlapSchedule, schedule
 
 
@@ -89,4 +90,5 @@ def des_timeline(spmd: SpmdProgram, spec: HardwareSpec | str, placement: Placeme
         raise DesError(f"des_timeline takes a program without loops ({len(entry.costs.loops)} loop equations "
                        f"here); simulate_des runs loops iteration by iteration")
     priced = analyzer.price(spmd.program, spec, sim.comm_model, True, prefetch_bytes, comm_streams)
-    return schedule(entry.overlap_plan(), priced.times, prefetch_bytes, comm_streams, network=FlowModel(sim))
+    return schedule(entry.overlap_plan(), priced.times, prefetch_bytes, comm_streams, network=FlowModel(sim),
+                    blocking=blocking_collectives(entry.costs, sim.comm_model))

@@ -211,7 +211,7 @@ class _Builder:
         for c in sched.order:
             readies.setdefault(sched.ready_pos[c], []).append(c)
         waits: dict[int, list[int]] = {}
-        for c, w in enumerate(plan.wait_pos):
+        for c, w in enumerate(sched.wait_pos or plan.wait_pos):
             waits.setdefault(w, []).append(c)
         loops = set(pr.analysis.costs.loop_index.tolist())
         comm = pr.analysis.costs.is_comm.tolist()

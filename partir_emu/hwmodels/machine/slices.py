@@ -39,10 +39,11 @@ SLICE_DIM = "slice"
 class SlicedTopology(Topology):
     """``slices`` torus slices (``one``) joined by DCN. Build with :meth:`build`."""
 
-    __slots__ = ("one", "slices", "chips_per_host", "_pcie0", "_nic0")
+    __slots__ = ("one", "slices", "chips_per_host", "dcn_overlaps_compute", "_pcie0", "_nic0")
     one: Topology                 # the torus of one slice
     slices: int
     chips_per_host: int
+    dcn_overlaps_compute: bool    # spec [dcn] overlaps_compute
     _pcie0: int                   # id of the first PCIe link
     _nic0: int                    # id of the first NIC link
 
@@ -70,12 +71,13 @@ class SlicedTopology(Topology):
             links.append(Link(len(links), host, chip, dcn.pcie_bw_bytes_per_s, 0.0, "pcie", f"pcie {host}->chip{chip}"))
         nic0 = len(links)
         for h in range(slices * n // per_host):
-            links.append(Link(len(links), f"host{h}", DCN_SWITCH, dcn.host_bw_bytes_per_s, dcn.latency_s, "dcn",
+            links.append(Link(len(links), f"host{h}", DCN_SWITCH, dcn.nic_bw_bytes_per_s, dcn.nic_latency_s, "dcn",
                               f"dcn host{h}->{DCN_SWITCH}"))
-            links.append(Link(len(links), DCN_SWITCH, f"host{h}", dcn.host_bw_bytes_per_s, dcn.latency_s, "dcn",
+            links.append(Link(len(links), DCN_SWITCH, f"host{h}", dcn.nic_bw_bytes_per_s, dcn.nic_latency_s, "dcn",
                               f"dcn {DCN_SWITCH}->host{h}"))
         self = cls("slices", (slices, *one.dims), (SLICE_DIM, *one.dim_names), (False, *one.wrap), tuple(links), name)
         self.one, self.slices, self.chips_per_host = one, slices, per_host
+        self.dcn_overlaps_compute = dcn.overlaps_compute
         self._pcie0, self._nic0 = pcie0, nic0
         return self
 

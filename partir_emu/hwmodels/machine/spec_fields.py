@@ -17,7 +17,8 @@ RANGES = {"flops_bf16_per_s": (1e9, 1e18, "FLOP/s"), "flops_f32_per_s": (1e9, 1e
           "bw_bytes_per_s": (1e6, 1e15, "B/s"), "latency_s": (1e-10, 1.0, "s"), "links_per_chip": (1, 64, ""),
           "gpus_per_node": (1, 1024, ""), "chips_per_host": (1, 1024, ""), "max_slices": (1, 1 << 16, ""), "nics_per_node": (1, 1024, ""), "nodes_per_leaf": (1, 1 << 20, ""),
           "nodes_per_su": (1, 1 << 20, ""), "max_nodes": (1, 1 << 20, ""),
-          "pod_dims": (1, 4096, "chips per torus dim"), "cube": (1, 4096, "chips per cube dim")}
+          "pod_dims": (1, 4096, "chips per torus dim"), "cube": (1, 4096, "chips per cube dim"),
+          "achieved_fraction": (1e-3, 1.0, "(a share of the nominal figure)")}
 
 
 def check_ranges(vals: Mapping[str, Mapping[str, Any]], where: str) -> None:

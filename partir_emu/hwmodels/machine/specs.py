@@ -14,7 +14,9 @@ A spec file has a top-level ``name``, ``kind`` (``"tpu"`` or ``"gpu"``) and
                  ``always`` | ``never``), ``cube`` (needed by ``cube_multiple``).
 ``[dcn]``        TPU, optional: the data-centre network that joins slices (multi-slice, several pods):
                  ``host_bw_bytes_per_s`` (one way, per host NIC), ``latency_s``, ``chips_per_host``,
-                 ``pcie_bw_bytes_per_s`` (chip to its host, one way), ``max_slices``
+                 ``pcie_bw_bytes_per_s`` (chip to its host, one way), ``max_slices``; optional
+                 ``achieved_fraction`` (<= 1: the NIC bandwidth achieved, the latency divided by it) and
+                 ``overlaps_compute`` (false: collectives across slices block the compute stream)
                  (:mod:`partir_emu.hwmodels.machine.slices`).
                  GPU: ``kind = "nvswitch"``, ``fabric`` (``fat_tree`` | ``rail_optimized``),
                  ``nodes_per_leaf`` (fat tree), ``nodes_per_su`` (rail-optimized scalable unit),
@@ -73,7 +75,8 @@ _SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
 }
 _OPTIONAL_TABLES = ("compiler", "efficiency")     # validated by hwmodels.efficiency
 _DCN = {"host_bw_bytes_per_s": ("float", True), "latency_s": ("float", True), "chips_per_host": ("int", True),
-        "pcie_bw_bytes_per_s": ("float", True), "max_slices": ("int", True)}
+        "pcie_bw_bytes_per_s": ("float", True), "max_slices": ("int", True),
+        "achieved_fraction": ("float", False), "overlaps_compute": ((True, False), False)}
 _TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False),
         "what_if": ((True, False), False)}
 
@@ -87,6 +90,22 @@ class DcnSpec:
     chips_per_host: int
     pcie_bw_bytes_per_s: float
     max_slices: int
+    # the share of the nominal NIC bandwidth a DCN transfer achieves (its latency is the nominal one
+    # divided by it): 1.0 unless the spec says otherwise, e.g. fitted to multi-slice runs
+    achieved_fraction: float = 1.0
+    # False: a collective across slices is not overlapped with compute (the compute stream waits for
+    # it where it is issued; :mod:`partir_emu.hwmodels.timeline.overlap`)
+    overlaps_compute: bool = True
+
+    @property
+    def nic_bw_bytes_per_s(self) -> float:
+        """The bandwidth a DCN transfer gets from its host's NIC (nominal x achieved fraction)."""
+        return self.host_bw_bytes_per_s * self.achieved_fraction
+
+    @property
+    def nic_latency_s(self) -> float:
+        """The latency of a NIC hop as achieved (nominal / achieved fraction)."""
+        return self.latency_s / self.achieved_fraction
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from partir_emu.core.ir import itemsize as dtype_itemsize
 from partir_emu.core.spmd import permute_pairs
 from partir_emu.hwmodels.machine.links import Router
 from partir_emu.hwmodels.machine.placement import Placement
+from partir_emu.hwmodels.machine.slices import SLICE_DIM
 from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.choice import AlgorithmChoice, candidates
 from partir_emu.hwmodels.network.contention import Fabric
@@ -161,6 +162,14 @@ class CommModel:
                 hit = self.fabric.link_bytes(sched, *self.fabric.groups(axes, choice.chips))
             self.fabric.link_bytes_cache[key] = hit
         return hit
+
+    def blocks_compute(self, axes: tuple[str, ...]) -> bool:
+        """Does a collective over ``axes`` block the compute stream? Yes when its groups cross TPU slices
+        and the spec says DCN collectives do not overlap compute (``[dcn] overlaps_compute = false``)."""
+        topo = self.placement.topology
+        if getattr(topo, "dcn_overlaps_compute", True):
+            return False
+        return SLICE_DIM in self.placement.group(axes).dim_names
 
     def requested(self, kind: str) -> str | None:
         a = self.algorithms

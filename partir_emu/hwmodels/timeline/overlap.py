@@ -90,6 +90,7 @@ class _Walk(NamedTuple):
     events: list[int]             # c: collective c ready; ~c: the compute stream waits for c
     event_pos: np.ndarray         # the compute position of each event
     keys: list[int]               # ready events: priority key (priority * C + c), -1 if collective-fed
+    wait: tuple[int, ...]         # per collective: where the compute stream waits for it (num_eqns: end)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class OverlapPlan:
     prefetch_names: tuple[str, ...]             # the program input each gathers
     default_prefetch_bytes: int                 # one FSDP unit (module docstring)
     floor: tuple[int, ...] = ()                 # per collective: one past the last loop before it (0: none)
-    _ready: dict[int, _Walk] = field(default_factory=dict, repr=False)         # by budget
+    _ready: dict[tuple, _Walk] = field(default_factory=dict, repr=False)       # by (budget, blocking)
     _waits: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     _live: tuple | None = field(default=None, repr=False)    # (profile, its live bytes as an array)
     _breakdowns: dict[int, dict[str, int]] = field(default_factory=dict, repr=False)
@@ -123,12 +124,12 @@ class OverlapPlan:
         """Per collective, the compute position after which it may start, with this budget."""
         return self._walk(prefetch_bytes).ready
 
-    def _walk(self, prefetch_bytes: int | None) -> _Walk:
+    def _walk(self, prefetch_bytes: int | None, blocking: tuple[int, ...] = ()) -> _Walk:
         if prefetch_bytes is not None and not prefetch_bytes >= 0:
             raise UsageError(f"prefetch_bytes={prefetch_bytes!r}: give the bytes of ZeRO-3 all-gathers that may "
                              f"be in flight ahead of need (>= 0; 0 gathers on demand), or None for one layer")
         budget = self.default_prefetch_bytes if prefetch_bytes is None else int(prefetch_bytes)
-        hit = self._ready.get(budget)
+        hit = self._ready.get((budget, blocking))
         if hit is not None:
             return hit
         ready = list(self.base_ready)
@@ -141,15 +142,27 @@ class OverlapPlan:
                 ready[g] = self.priority[self.prefetch[j]] if j >= 0 else 0
                 if self.floor and ready[g] < self.floor[g]:
                     ready[g] = self.floor[g]
+        # a blocking collective is waited for where it becomes ready (the compute stream stops there):
+        # at the latest of its own ready point and its collective producers' (program order: producers first)
+        wait = list(self.wait_pos)
+        if blocking:
+            eff = list(ready)
+            for c, ps in enumerate(self.coll_prods):
+                for q in ps:
+                    eff[c] = max(eff[c], eff[q])
+            for c in blocking:
+                wait[c] = min(wait[c], eff[c])
         # the compute stream's events in order: collective c is ready (c >= 0) where it reaches
         # ready[c], before the waits at that position (~c: wait for c)
-        evs = sorted([(r, 0, c) for c, r in enumerate(ready)] + [(w, 1, ~c) for w, c in self._waits])
+        evs = sorted([(r, 0, c) for c, r in enumerate(ready)]
+                     + [(w, 1, ~c) for c, w in enumerate(wait) if w < self.num_eqns])
         fed = [bool(p) for p in self.coll_prods]
         keys = [-1 if e[2] < 0 or fed[e[2]] else self.graph.keys[e[2]] for e in evs]
-        walk = _Walk(tuple(ready), [e[2] for e in evs], np.array([e[0] for e in evs], dtype=np.int64), keys)
+        walk = _Walk(tuple(ready), [e[2] for e in evs], np.array([e[0] for e in evs], dtype=np.int64), keys,
+                     tuple(wait))
         if len(self._ready) > 16:
             self._ready.clear()
-        self._ready[budget] = walk
+        self._ready[(budget, blocking)] = walk
         return walk
 
     @property
@@ -301,11 +314,13 @@ class OverlapSchedule:
     compute_finish: np.ndarray    # per equation: when the compute stream finished it (collectives: 0 length)
     stream: list[int] | None = None   # per collective: its communication stream (None: all on stream 0)
     streams: int = 1              # communication streams the schedule was made for
+    wait_pos: tuple[int, ...] = ()    # per collective: where the compute stream waits for it (the plan's,
+                                      # or its ready point for a blocking one); () = the plan's
 
 
 def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = None, comm_streams: int = 1,
              contention: Contention | None = None, keys: Sequence[int] | None = None,
-             network: NetworkModel | None = None) -> OverlapSchedule:
+             network: NetworkModel | None = None, blocking: tuple[int, ...] = ()) -> OverlapSchedule:
     """The list schedule of the module docstring on per-equation ``times`` (collectives' entries are
     their standalone durations; compute entries may be 0, e.g. inside a fused group).
 
@@ -319,12 +334,14 @@ def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = 
     rule the DES shares); collectives in flight together slow each other by ``contention`` (:mod:`partir_emu.hwmodels.network.concurrency`; ``keys``:
     per collective, its index there, as ``ProgramCosts.comm_inverse``). ``network``: run the engine on
     this network model instead (the DES's flow network: :mod:`partir_emu.hwmodels.des.engine_network`);
-    the collectives' entries of ``times`` then matter only to the models that read them."""
+    the collectives' entries of ``times`` then matter only to the models that read them. ``blocking``:
+    collectives (sorted indices) the compute stream waits for where they become ready, e.g. collectives
+    across TPU slices whose spec says they do not overlap compute (``[dcn] overlaps_compute``)."""
     if not (isinstance(comm_streams, (int, np.integer)) and comm_streams >= 1):
         raise UsageError(f"comm_streams={comm_streams!r}: give the number of collectives a device may run at "
                          f"once (an integer >= 1; 1 = one communication stream)")
     comm_eqns = plan.comm_eqns
-    walk = plan._walk(prefetch_bytes)
+    walk = plan._walk(prefetch_bytes, tuple(blocking))
     P = np.zeros(plan.num_eqns + 1)                       # compute time before each equation, no stalls
     np.cumsum(times * plan._compute, out=P[1:])
     Pev = P[walk.event_pos].tolist()
@@ -344,4 +361,4 @@ def schedule(plan: OverlapPlan, times: np.ndarray, prefetch_bytes: int | None = 
     bounds = np.concatenate(([0], walk.event_pos[[k for k, _ in stalls]], [plan.num_eqns]))
     stall = np.repeat([0.0] + [d for _, d in stalls], np.diff(bounds))
     return OverlapSchedule(end if end > last else last, start, finish, order, walk.ready, P[1:] + stall, stream,
-                    int(comm_streams))
+                           int(comm_streams), walk.wait if blocking else ())
