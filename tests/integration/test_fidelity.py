@@ -6,8 +6,10 @@ tiny configurations from a data file written here.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import statistics
 
 import pytest
@@ -20,8 +22,17 @@ from partir_emu.core.mesh import Mesh
 from partir_emu.errors import PartirError
 from partir_emu.hwmodels.machine.specs import load_spec
 from scenarios import get_scenario
+from tests.conftest import PROGRAMS_ENV
 
 pytestmark = pytest.mark.xdist_group("fidelity")    # its cached programs and references: made once, on one worker
+
+
+@functools.cache
+def shared():
+    """One program cache (the session's directory: lowered once) and one Analyzer for every test here
+    that prices the published runs: lowering and analysing them is most of these tests' time."""
+    from partir_emu.hwmodels.analytical import Analyzer
+    return ProgramCache(os.environ.get(PROGRAMS_ENV)), Analyzer()
 
 REQUIRED = ("megatron-1.7b", "megatron-7.5b", "megatron-22b", "maxtext-22b-v4", "maxtext-32b-v5e")
 
@@ -232,7 +243,8 @@ def test_simulate_reports_mfu_and_hfu(tmp_path, capsys):
 @pytest.fixture(scope="session")
 def required_report():
     """The five required cases, lowered once for the session."""
-    return run_cases(select(load_cases(), list(REQUIRED)), programs=ProgramCache())
+    programs, analyzer = shared()
+    return run_cases(select(load_cases(), list(REQUIRED)), programs=programs, analyzer=analyzer)
 
 
 @pytest.mark.slow
@@ -254,22 +266,6 @@ def test_required_cases_meet_the_accuracy_targets(required_report):
 
 # -- the fitted per-chip constants are reproducible -----------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("chip", ["tpu-v4", "tpu-v5e", "tpu-v5p"])
-def test_fitted_matmul_fraction_is_what_the_fit_gives(chip):
-    """A spec whose matmul fraction says "fit" carries the value `partir-emu fidelity --fit` computes
-    from the data file (so the constant is a documented fit to published runs, not a free knob)."""
-    from partir_emu.app.validation.calibrate import chip_fit_cases, fit_fraction
-    from partir_emu.hwmodels.analytical import Analyzer
-
-    analyzer = Analyzer()
-    spec = analyzer.spec(chip)
-    cases = chip_fit_cases(load_cases(), chip, spec)
-    assert len(cases) >= 2
-    fitted = fit_fraction(cases, spec, ProgramCache(), analyzer)
-    assert spec.efficiency.matmul_peak_fraction == pytest.approx(fitted, abs=0.01), (chip, fitted)
-
-
-@pytest.mark.slow
 def test_a_fitted_stack_fraction_is_refitted_without_the_held_out_runs():
     """``--holdout source`` predicts each source's runs of a fitted stack with the fraction fitted to
     the other source's runs only, and ``--holdout stack`` (no run of the stack left to fit on) with
@@ -277,7 +273,6 @@ def test_a_fitted_stack_fraction_is_refitted_without_the_held_out_runs():
     four cheapest pytorch-fsdp runs, two per source: each refit prices its runs a few times."""
     from partir_emu.app.validation.calibrate import fit_stack_fraction
     from partir_emu.app.validation.holdout import holdout
-    from partir_emu.hwmodels.analytical import Analyzer
     from partir_emu.hwmodels.compute.stack import load_stack
 
     stack = load_stack("pytorch-fsdp")
@@ -285,7 +280,7 @@ def test_a_fitted_stack_fraction_is_refitted_without_the_held_out_runs():
     cases = [c for c in load_cases() if c.case in names]
     sources = sorted({c.source_id for c in cases})
     assert len(cases) == 4 and len(sources) == 2 and {c.stack for c in cases} == {stack.name}
-    programs, analyzer = ProgramCache(), Analyzer()
+    programs, analyzer = shared()
     by_source = holdout(cases, "source", programs=programs, analyzer=analyzer)
     for src in sources:
         others = fit_stack_fraction([c for c in cases if c.source_id != src], stack, programs, analyzer)
@@ -304,19 +299,18 @@ def test_a_reported_out_of_memory_is_predicted():
     import dataclasses
 
     from partir_emu.app.validation.fidelity import run_case
-    from partir_emu.hwmodels.analytical import Analyzer
 
     ran = next(c for c in load_cases() if c.case == "torchtitan-l2-70b-op-a100")
     assert dict(ran.set)["batch"] == ran.chips and "out of memory" in ran.source
     doubled = dataclasses.replace(ran, case="l2-70b-op-local-batch-2", global_batch=2 * ran.global_batch,
                                   set=tuple({**dict(ran.set), "batch": 2 * ran.global_batch}.items()))
-    programs, analyzer = ProgramCache(), Analyzer()
+    programs, analyzer = shared()
     assert run_case(ran, programs, analyzer).sim.fits
     assert not run_case(doubled, programs, analyzer).sim.fits
 
 
 @pytest.mark.slow
-def test_the_tightest_runs_that_ran_are_predicted_to_fit(capsys):
+def test_the_tightest_runs_that_ran_are_predicted_to_fit():
     """Every case is a run that ran, so each must be predicted to fit (issue 23). The two closest to
     their HBM: Megatron's 18.4B row, at the micro-batch of 8 the paper's own script gives
     (``examples/sc21/run_table_1.sh``: 4 micro-batches per replica, not 32 sequences at once), and
@@ -324,8 +318,8 @@ def test_the_tightest_runs_that_ran_are_predicted_to_fit(capsys):
     the accumulated gradient is written in place (``memory.stack_liveness``); both in the table's
     memory line. The whole data file: ``partir-emu fidelity --group all``."""
     names = ["megatron-18.4b", "foundry-7b-a100"]
-    assert main(["fidelity", "--case", *names, "--quiet"]) == 0
-    out = capsys.readouterr().out
+    programs, analyzer = shared()
+    out = run_cases(select(load_cases(), names), programs=programs, analyzer=analyzer).table()
     assert "memory: 2 of 2 runs that ran are predicted to fit" in out, out
 
 
@@ -368,16 +362,131 @@ def test_holdout_by_source_refits_without_the_held_out_table(tmp_path, capsys):
     assert out.count("no fit possible") == 2      # one fitted chip, held out: no case left to fit it on
 
 
-def test_fits_lists_every_fitted_constant_with_its_cases(capsys):
-    assert main(["fidelity", "--fits"]) == 0
-    out = capsys.readouterr().out
-    rows = {" ".join(ln.split()[:2]) if ln.startswith("stack ") else ln.split()[0]: ln
-            for ln in out.splitlines() if "[efficiency]" in ln}
-    # the GPUs' constants are sourced, not fitted; one stack's compute fraction is a fit
-    assert set(rows) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "stack pytorch-fsdp"}
-    assert "maxtext-22b-v4, maxtext-52b-v4" in rows["tpu-v4"]
-    assert "maxtext-32b-v5p" in rows["tpu-v5p"]
-    assert "foundry-7b-h100" in rows["stack pytorch-fsdp"] and "torchtitan-l2-13b-a100" in rows["stack pytorch-fsdp"]
+def test_fits_lists_every_fitted_constant_with_its_cases():
+    """``fidelity --fits`` (:func:`fitted_constants` + :func:`fits_table`, here on the shared caches):
+    every fitted constant, refitted from the data file, equals the value its spec or stack profile
+    holds, so each is a documented fit to published runs, not a free knob."""
+    from partir_emu.app.validation.holdout import fits_table, fitted_constants
+
+    programs, analyzer = shared()
+    out = fits_table(fitted_constants(load_cases(), programs=programs, analyzer=analyzer))
+    rows = {" ".join(ln.split()[:3 if ln.startswith("stack ") else 2]): ln
+            for ln in out.splitlines() if "[efficiency]" in ln or "[dcn]" in ln}
+    # the GPUs' constants are sourced, not fitted; the TPUs' matmul fractions, the DCN of the chips with
+    # multi-slice runs and one stack's compute fraction are fits
+    assert set(rows) == {"tpu-v4 [efficiency]", "tpu-v5e [efficiency]", "tpu-v5p [efficiency]",
+                         "tpu-v4 [dcn]", "tpu-v5e [dcn]", "stack pytorch-fsdp [efficiency]"}
+    assert "maxtext-22b-v4, maxtext-52b-v4" in rows["tpu-v4 [efficiency]"]
+    assert "maxtext-32b-v5p" in rows["tpu-v5p [efficiency]"]
+    assert "maxtext-22b-v4-x2" in rows["tpu-v4 [dcn]"] and "maxtext-22b-v4," not in rows["tpu-v4 [dcn]"]
+    assert "maxtext-128b-v5e-x32" in rows["tpu-v5e [dcn]"]
+    fsdp = rows["stack pytorch-fsdp [efficiency]"]
+    assert "foundry-7b-h100" in fsdp and "torchtitan-l2-13b-a100" in fsdp
     for line in rows.values():
         spec, refit = (float(x) for x in line.split("]", 1)[1].split()[1:3])
         assert spec == pytest.approx(refit, abs=0.01), line    # the spec holds the value the data give
+
+
+# -- the DCN of multi-slice runs: fitted on how the step grows from one slice --------------------------
+SLICE_CASE = """
+[[case]]
+case = "{name}"
+group = "extra"
+source = "made up for the test: {name}, table {table}"
+source_id = "table {table}"
+hardware = "tpu-v5e"
+chips = {chips}
+strategy = "{strategy}"
+mesh = {mesh}
+slice = "{slice}"
+global_batch = {batch}
+set = {{ batch = {batch}, seq = 64, d_model = 64, heads = 4, d_ff = 256, layers = 2, vocab = 64, remat = 0 }}
+measured = {measured}
+metric = "step_s"
+convention = "iteration_time"
+stack = "xla"
+{extra}
+"""
+
+
+def _slice_case(name: str, table: str, slices: int, measured: float, extra: str = "") -> str:
+    multi = slices > 1
+    return SLICE_CASE.format(name=name, table=table, chips=16 * slices, measured=measured, extra=extra,
+                             strategy="bp+z3@batch" if multi else "z3", batch=16 * slices,
+                             mesh=f"{{ dcn = {slices}, batch = 16 }}" if multi else "{ batch = 16 }",
+                             slice=f"{slices}x4x4" if multi else "4x4")
+
+
+def _slice_data(tmp_path, measured: dict[str, float]) -> str:
+    """Tables A and B, each a run on one slice of 4x4 v5e chips and the same model on two slices."""
+    path = tmp_path / "slices.toml"
+    path.write_text("".join(_slice_case(f"{t}-{n}", t, n, measured[f"{t}-{n}"], "" if n == 1 else f'one_slice = "{t}-1"')
+                            for t in "AB" for n in (1, 2)))
+    return str(path)
+
+
+def test_the_dcn_fraction_is_fitted_on_the_growth_from_one_slice_and_held_out_by_source(tmp_path):
+    """Runs measured as the model predicts them with the DCN at 0.5 (table A) and 0.25 (table B) of its
+    nominal figures: each table's fit gives its own fraction back, and ``--holdout source`` predicts each
+    table's two-slice run with the other table's fraction (the single-slice runs, measured as predicted,
+    anchor the growth and stay exact)."""
+    from partir_emu.app.validation.dcn_fit import dcn_fit_pairs, fit_dcn_fraction, with_dcn_fraction
+    from partir_emu.app.validation.fidelity import run_case
+    from partir_emu.app.validation.holdout import holdout
+
+    programs, analyzer = shared()
+    probe = load_cases(_slice_data(tmp_path, dict.fromkeys(("A-1", "A-2", "B-1", "B-2"), 1.0)))
+    spec = analyzer.spec("tpu-v5e")
+    step = {f: run_case(probe[1], programs, analyzer, spec=with_dcn_fraction(spec, f)).predicted_step_s
+            for f in (0.5, 0.25)}
+    one = run_case(probe[0], programs, analyzer).predicted_step_s
+    assert step[0.25] > step[0.5] > one               # a slower DCN, a longer step; both longer than one slice
+    cases = load_cases(_slice_data(tmp_path, {"A-1": one, "A-2": step[0.5], "B-1": one, "B-2": step[0.25]}))
+    for table, f in (("A", 0.5), ("B", 0.25)):
+        pairs = [p for p in dcn_fit_pairs(cases, "tpu-v5e") if p[0].source_id == f"table {table}"]
+        assert [(c.case, r.case) for c, r in pairs] == [(f"{table}-2", f"{table}-1")]
+        assert fit_dcn_fraction(pairs, spec, programs, analyzer) == pytest.approx(f, rel=2e-3)
+    rows = {r.case.case: r for r in holdout(cases, "source", programs=programs, analyzer=analyzer).rows}
+    assert rows["A-2"].dcn_fraction == pytest.approx(0.25, rel=2e-3)
+    assert rows["B-2"].dcn_fraction == pytest.approx(0.5, rel=2e-3)
+    assert rows["A-1"].dcn_fraction is None and rows["A-1"].error_pct == pytest.approx(0.0, abs=0.05)
+    assert rows["A-2"].error_pct == pytest.approx(100 * (step[0.25] / step[0.5] - 1), abs=0.1)
+    assert rows["B-2"].error_pct == pytest.approx(100 * (step[0.5] / step[0.25] - 1), abs=0.1)
+    by_chip = holdout(cases, "chip", programs=programs, analyzer=analyzer)     # one chip: nothing left to fit
+    assert all(r.error_pct is None for r in by_chip.rows)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.replace('one_slice = "A-1"', 'one_slice = "Z-1"'), ["A-2", "'Z-1'", "not a case"]),
+    (lambda t: t.replace('one_slice = "A-1"', 'one_slice = "B-2"'), ["A-2", "'B-2'", "one slice"]),
+    (lambda t: t.replace('hardware = "tpu-v5e"', 'hardware = "tpu-v4"', 1), ["A-2", "'A-1'", "same chip"]),
+])
+def test_a_bad_one_slice_is_named(tmp_path, edit, words):
+    path = _slice_data(tmp_path, dict.fromkeys(("A-1", "A-2", "B-1", "B-2"), 1.0))
+    text = edit(open(path).read())
+    open(path, "w").write(text)
+    with pytest.raises(FidelityDataError) as info:
+        load_cases(path)
+    for w in [path, *words]:
+        assert w in str(info.value)
+
+
+@pytest.mark.parametrize("root", [0.3, 0.655, 0.97])
+@pytest.mark.parametrize("guess", [None, 0.5, 0.66])
+def test_the_fit_finds_the_root_from_any_guess_and_clamps_at_the_ends(root, guess):
+    """``zero_median`` on a step of which a share scales with 1/f (the median error of a fit): the root
+    from the top of the interval or from a guess, in a few evaluations; an error that stays positive
+    (too slow even at the peak) or negative (too fast at the floor) returns that end."""
+    from partir_emu.app.validation.calibrate import HIGH, zero_median
+
+    calls = []
+
+    def err(f: float, share: float = 0.8) -> float:     # log(predicted / measured) of a step 80 % compute
+        calls.append(f)
+        return math.log((share / f + 1 - share) / (share / root + 1 - share))
+
+    assert zero_median(err, guess=guess) == pytest.approx(root, abs=1e-4)
+    assert len(calls) <= 6
+    calls.clear()
+    assert zero_median(lambda f: err(f) + 10.0, guess=guess) == HIGH
+    assert zero_median(lambda f: err(f) - 10.0, low=0.05, guess=guess) == 0.05

@@ -62,7 +62,8 @@ def chip_fit_cases(cases: Sequence[PublishedRun], chip: str, spec: HardwareSpec)
 def fit_fraction(cases: Sequence[PublishedRun], spec: HardwareSpec, programs: ProgramCache, analyzer: Analyzer) -> float:
     """The matmul fraction for which the median log step-time error of ``cases`` is zero (clamped to
     [LOW, HIGH]: a chip whose runs need more than its peak says so by hitting HIGH)."""
-    return _zero_median(lambda f: statistics.median(log_errors(cases, with_matmul_fraction(spec, f), programs, analyzer)))
+    return zero_median(lambda f: statistics.median(log_errors(cases, with_matmul_fraction(spec, f), programs, analyzer)),
+                       guess=spec.efficiency.matmul_peak_fraction)
 
 
 def stack_source(stack: StackSpec) -> str:
@@ -89,39 +90,43 @@ def fit_stack_fraction(cases: Sequence[PublishedRun], stack: StackSpec, programs
                 for c in mine for r in [run_case(c, programs, analyzer, spec=(specs or {}).get(c.hardware), stack=st)]]
         return statistics.median(errs)
 
-    return _zero_median(median_error)
+    return zero_median(median_error, guess=stack.compute_fraction)
 
 
-def _zero_median(median_error: Callable[[float], float]) -> float:
-    """The fraction f in [LOW, HIGH] where ``median_error`` (falling as f grows: more throughput, a
-    faster step) is zero; clamped at the ends. A safeguarded secant search in ``x = log f``: a step
-    whose time is all compute takes ``1/f``, so its error is ``g(0) - x`` and the first guess
-    ``x = g(0)`` is the root; the secant corrects for the part of the step f does not scale, and a
-    step that would leave the bracket bisects it instead. Each evaluation prices every case anew, so
-    this takes 3-4 of them where bisection took 13. Stops when the error is below 1e-7 (a step time
-    to 1e-7 relative) or the bracket is TOLERANCE wide in f."""
-    x_hi, x_lo = math.log(HIGH), math.log(LOW)
-    g_hi = median_error(HIGH)
-    if g_hi >= 0:
-        return HIGH
-    g_lo: float | None = None           # not evaluated yet: LOW is priced only if the search gets there
-    x_prev, g_prev = x_hi, g_hi
-    x = max(x_lo, x_hi + g_hi)
+def zero_median(median_error: Callable[[float], float], low: float = LOW, guess: float | None = None) -> float:
+    """The fraction f in [low, HIGH] where ``median_error`` (falling as f grows: more throughput, a
+    faster step) is zero; clamped at the ends. A safeguarded secant search in ``x = log f`` from
+    ``guess`` (default: HIGH; the value a spec holds now is a good one: a refit then takes 1-2
+    evaluations): a step whose time is all compute takes ``1/f``, so its error is ``g(x0) - (x - x0)``
+    and the first step ``x = x0 + g(x0)`` lands on the root; the secant corrects for the part of the
+    step f does not scale, and a step that would leave the bracket goes to an end not priced yet, or
+    bisects the bracket. Each evaluation prices every case anew, so this takes 3-4 of them where
+    bisection took 13. Stops when the error is below 1e-7 (a step time to 1e-7 relative) or the
+    bracket is TOLERANCE wide in f."""
+    x_lo, x_hi = math.log(low), math.log(HIGH)
+    g_lo: float | None = None           # not priced yet: an end is priced only if the search gets there
+    g_hi: float | None = None
+    x = x_hi if guess is None else min(max(math.log(guess), x_lo), x_hi)
+    x_prev: float | None = None
+    g_prev = 0.0
     for _ in range(64):
         g = median_error(math.exp(x))
         if abs(g) < 1e-7:
             return math.exp(x)
         if g > 0:                       # predicted too slow: the root is above x
+            if x >= math.log(HIGH):
+                return HIGH             # still too slow at the highest fraction searched
             x_lo, g_lo = x, g
         else:
+            if x <= math.log(low):
+                return low              # still too fast at the lowest fraction searched
             x_hi, g_hi = x, g
         if math.exp(x_hi) - math.exp(x_lo) < TOLERANCE:
             break
-        if g_lo is None and x <= math.log(LOW):
-            return LOW                  # still too fast at the lowest fraction searched
-        nxt = x - g * (x - x_prev) / (g - g_prev) if g != g_prev else x_lo
-        if not x_lo < nxt < x_hi:       # outside the bracket: bisect it
-            nxt = (x_lo + x_hi) / 2
+        nxt = x + g if x_prev is None or g == g_prev else x - g * (x - x_prev) / (g - g_prev)
+        if not x_lo < nxt < x_hi:       # outside the bracket: an end not priced yet, else bisect
+            nxt = (x_hi if nxt >= x_hi and g_hi is None else x_lo if nxt <= x_lo and g_lo is None
+                   else (x_lo + x_hi) / 2)
         x_prev, g_prev, x = x, g, nxt
     return math.exp(x)
 
@@ -176,14 +181,19 @@ def calibrate(chip: str, cases: Sequence[PublishedRun], *, programs: ProgramCach
                        tuple(in_sample), tuple(loo))
 
 
-def fraction_source(spec: HardwareSpec) -> str:
-    """The ``matmul_peak_fraction_source`` string of the spec's file ("" if it has none)."""
+def field_source(spec: HardwareSpec, table: str, name: str) -> str:
+    """The ``[table] name_source`` string of the spec's file ("" if it has none)."""
     try:
         data = load_toml(spec.path, SpecError, "hardware spec")
     except SpecError:
         return ""
-    return str(data.get("efficiency", {}).get("matmul_peak_fraction_source", ""))
+    return str(data.get(table, {}).get(f"{name}_source", ""))
 
 
-__all__ = ["Calibration", "calibrate", "fit_fraction", "fit_stack_fraction", "fraction_source", "is_fitted_stack",
-           "log_errors", "stack_source", "with_matmul_fraction"]
+def fraction_source(spec: HardwareSpec) -> str:
+    """The ``matmul_peak_fraction_source`` string of the spec's file ("" if it has none)."""
+    return field_source(spec, "efficiency", "matmul_peak_fraction")
+
+
+__all__ = ["Calibration", "calibrate", "field_source", "fit_fraction", "fit_stack_fraction", "fraction_source", "is_fitted_stack",
+           "log_errors", "stack_source", "with_matmul_fraction", "zero_median"]

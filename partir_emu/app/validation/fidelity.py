@@ -37,7 +37,7 @@ from partir_emu.errors import PartirError
 from partir_emu.hwmodels.analytical import Analyzer, SimReport, simulate
 from partir_emu.hwmodels.compute.stack import StackSpec, load_stack
 from partir_emu.hwmodels.machine.slices import chips_limit
-from partir_emu.hwmodels.machine.specs import HardwareSpec
+from partir_emu.hwmodels.machine.specs import HardwareSpec, load_spec
 
 # the targets of issue 10 over the required cases (tests/integration/test_fidelity.py pins them)
 MEDIAN_TARGET_PCT = 5.0
@@ -117,7 +117,7 @@ def explain(r: FidelityResult) -> str:
                   f"the {c.stack} stack's allocator and reserved memory) of {sim.hbm_bytes / gib:.2f} GiB "
                   f"-> {'fits' if sim.fits else 'DOES NOT FIT (the run did run)'}",
               "  " + "  ".join(f"{k} {v / gib:.2f}" for k, v in sim.memory.items() if v),
-              "", _stack_line(c.stack, c.hardware),
+              "", _stack_line(c.stack, c.hardware), *_dcn_lines(c, sim),
               "not in the model yet: per-op CPU dispatch, NCCL kernels slowing the compute they overlap, FSDP's "
               "copy-in/copy-out (a stack's fitted compute_fraction stands in for what they cost; issue 23)"]
     return "\n".join(lines)
@@ -251,6 +251,22 @@ class FidelityReport:
         ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+
+
+def _dcn_lines(case: PublishedRun, sim: SimReport) -> list[str]:
+    """For a run on several slices: how the model runs its DCN (``explain``)."""
+    row = sim.by_axes.get("dcn")
+    if row is None or case.slice_dims is None:
+        return []
+    spec = load_spec(case.hardware)
+    dcn = getattr(spec.network, "dcn", None)
+    if dcn is None:
+        return []
+    return [f"dcn: {case.slice_dims[0]} slices; each host NIC at {dcn.achieved_fraction:.3f} of its nominal "
+            f"{dcn.host_bw_bytes_per_s / 1e9:g} GB/s and its latency over that (fitted: `fidelity --fits`); "
+            + ("the collectives across slices overlap compute" if dcn.overlaps_compute else
+               f"the {int(row['count'])} collectives across slices ({row['time_s']:.4f} s) block the compute "
+               f"stream where they start ([dcn] overlaps_compute = false)")]
 
 
 def _stack_line(name: str, hardware: str) -> str:

@@ -118,6 +118,7 @@ class PublishedRun:
     scenario: str = "transformer"
     placement: str | None = None
     slice: str | None = None           # TPU slice shape; a leading extra dim counts slices over DCN ("2x16x16")
+    one_slice: str | None = None       # a run on several slices: the same model on one slice (another case)
     where: str = field(default="", compare=False)
 
     @property
@@ -172,7 +173,7 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "global_batch": int, "set": dict, "measured": (int, float), "metric": str, "convention": str, "stack": str}
 _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "published_mfu": (int, float), "published_hfu": (int, float), "notes": str, "scenario": str, "placement": str,
-    "source_id": str, "slice": str}
+    "source_id": str, "slice": str, "one_slice": str}
 
 
 def _check_fields(d: Any, at: str) -> None:
@@ -271,7 +272,26 @@ def load_cases(path: str | Path | None = None) -> list[PublishedRun]:
             raise FidelityDataError(f"{at}: the name is used twice; case names must be unique")
         seen.add(c.case)
         cases.append(c)
+    _check_one_slice(cases)
     return cases
+
+
+def _check_one_slice(cases: list[PublishedRun]) -> None:
+    """A ``one_slice`` names another case of the file: the same chip and stack on one slice."""
+    by_name = {c.case: c for c in cases}
+    for c in cases:
+        if c.one_slice is None:
+            continue
+        ref = by_name.get(c.one_slice)
+        if ref is None:
+            raise FidelityDataError(f"{c.where}: field 'one_slice' names {c.one_slice!r}, which is not a case of the "
+                                    f"file; name the same model's run on one slice")
+        if ref.hardware != c.hardware or ref.stack != c.stack:
+            raise FidelityDataError(f"{c.where}: field 'one_slice' names {ref.case!r}, a run of {ref.hardware} x "
+                                    f"{ref.stack}; name a run of the same chip and stack ({c.hardware} x {c.stack})")
+        if ref.one_slice is not None or len(ref.slice_dims or ()) > len(c.slice_dims or ()) - 1:
+            raise FidelityDataError(f"{c.where}: field 'one_slice' names {ref.case!r}, which does not run on one "
+                                    f"slice; name the same model's single-slice run")
 
 
 def select(cases: list[PublishedRun], names: list[str] | None = None, group: str = "required") -> list[PublishedRun]:

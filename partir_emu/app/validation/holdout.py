@@ -5,7 +5,9 @@ Every constant of the model that is *fitted* to the published runs, rather than 
 datasheet or a microbenchmark, is listed by :func:`fitted_constants` with the cases it was fitted
 on (``--fits``). Today these are the sustained matmul fractions of the chips whose spec says
 ``matmul_peakfraction_source = "fit: ..."`` (:mod:`.calibrate`: one number per chip, the median
-step-time error of the chip's cases zero) and the compute fractions of the stacks whose profile
+step-time error of the chip's cases zero), the DCN fractions of the chips whose spec says
+``achieved_fraction_source = "fit: ..."`` (:mod:`.dcn_fit`: one number per chip, fitted on how its
+multi-slice runs grow from one slice) and the compute fractions of the stacks whose profile
 says ``compute_fraction_source = "fit: ..."`` (one number per stack, fitted after the chips'; a
 stack with no case left to fit on runs at the modelled rate, 1.0: the prior of an unseen stack).
 
@@ -32,6 +34,14 @@ from partir_emu.app.validation.calibrate import (
     fraction_source,
     is_fitted_stack,
     with_matmul_fraction,
+)
+from partir_emu.app.validation.dcn_fit import (
+    dcn_fit_pairs,
+    dcn_of,
+    fit_dcn_fraction,
+    fit_dcn_fractions,
+    is_dcn_fitted,
+    with_dcn_fraction,
 )
 from partir_emu.app.validation.fidelity import run_case
 from partir_emu.app.validation.fidelity_data import FidelityDataError, PublishedRun
@@ -78,6 +88,12 @@ def fitted_constants(cases: Sequence[PublishedRun], *, programs: ProgramCache | 
         mine = chip_fit_cases(cases, chip, spec)
         out.append(FittedConstant(f"{chip} [efficiency] matmul_peak_fraction", spec.efficiency.matmul_peak_fraction,
                                   fit_fraction(mine, spec, programs, analyzer), tuple(c.case for c in mine)))
+    for chip in sorted({c.hardware for c in cases}):
+        spec = analyzer.spec(chip)
+        pairs = dcn_fit_pairs(cases, chip)
+        if pairs and is_dcn_fitted(spec):
+            out.append(FittedConstant(f"{chip} [dcn] achieved_fraction", dcn_of(spec).achieved_fraction,
+                                      fit_dcn_fraction(pairs, spec, programs, analyzer), tuple(c.case for c, _ in pairs)))
     for stack in fitted_stacks(cases):
         mine = [c for c in cases if c.stack == stack.name]
         out.append(FittedConstant(f"stack {stack.name} [efficiency] compute_fraction", stack.compute_fraction,
@@ -105,6 +121,7 @@ class HeldOut:
     fraction: float | None         # the refitted matmul fraction it was predicted with (None: not fitted)
     error_pct: float | None        # None: no fit possible without the held-out group
     stack_fraction: float | None = None   # the refitted stack compute fraction (None: not fitted)
+    dcn_fraction: float | None = None     # the refitted DCN fraction of a multi-slice run (None: not one)
 
 
 @dataclass(frozen=True)
@@ -118,12 +135,11 @@ class HoldoutReport:
     def table(self) -> str:
         w = max([17, *(len(r.case.case) + 1 for r in self.rows)])
         lines = [f"--holdout {self.key}: each group predicted with constants fitted on the other groups only",
-                 f"{'case':<{w}}{'group':<36}{'fraction':>9}{'stack':>7}{'held-out error':>16}"]
+                 f"{'case':<{w}}{'group':<36}{'fraction':>9}{'stack':>7}{'dcn':>7}{'held-out error':>16}"]
         for r in self.rows:
-            frac = "-" if r.fraction is None else f"{r.fraction:.3f}"
-            sfrac = "-" if r.stack_fraction is None else f"{r.stack_fraction:.3f}"
+            frac, sfrac, dfrac = ("-" if v is None else f"{v:.3f}" for v in (r.fraction, r.stack_fraction, r.dcn_fraction))
             err = "no fit possible" if r.error_pct is None else f"{r.error_pct:+.1f}%"
-            lines.append(f"{r.case.case:<{w}}{r.group[:35]:<36}{frac:>9}{sfrac:>7}{err:>16}")
+            lines.append(f"{r.case.case:<{w}}{r.group[:35]:<36}{frac:>9}{sfrac:>7}{dfrac:>7}{err:>16}")
         errs = self.errors()
         if errs:
             lines.append(f"held out by {self.key}: median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}% "
@@ -133,7 +149,8 @@ class HoldoutReport:
     def to_json(self) -> dict:
         errs = self.errors()
         return {"holdout": self.key, "cases": [{"case": r.case.case, "group": r.group, "fraction": r.fraction,
-                                                "stack_fraction": r.stack_fraction, "error_pct": r.error_pct}
+                                                "stack_fraction": r.stack_fraction, "dcn_fraction": r.dcn_fraction,
+                                                "error_pct": r.error_pct}
                                                for r in self.rows],
                 "median_abs_error_pct": statistics.median(errs) if errs else None,
                 "max_abs_error_pct": max(errs) if errs else None}
@@ -146,6 +163,7 @@ def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache |
     analyzer = analyzer if analyzer is not None else Analyzer()
     groups = list(dict.fromkeys(group_of(c, key) for c in cases))
     fitted = {c.hardware for c in cases if is_fitted(c.hardware, analyzer)}
+    dcn_chips = {c.hardware for c in cases if c.one_slice is not None and is_dcn_fitted(analyzer.spec(c.hardware))}
     stacks = {st.name: st for st in fitted_stacks(cases)}
     rows: list[HeldOut] = []
     for g in groups:
@@ -155,6 +173,12 @@ def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache |
         prior = statistics.mean(fractions.values()) if fractions else None
         specs = {chip: with_matmul_fraction(analyzer.spec(chip), f) for chip, f in fractions.items()}
         held = [c for c in cases if group_of(c, key) == g]
+        dcn_specs = {chip: specs.get(chip, analyzer.spec(chip)) for chip in dcn_chips}
+        need = dcn_chips & {c.hardware for c in held if c.one_slice is not None}
+        dcn = fit_dcn_fractions(train, sorted(need), dcn_specs, programs, analyzer)
+        if need - set(dcn):          # a chip with no multi-slice run left takes the other chips' mean
+            dcn.update(fit_dcn_fractions(train, sorted(dcn_chips - need), dcn_specs, programs, analyzer))
+        dcn_prior = statistics.mean(dcn.values()) if dcn else None
         stack_fractions = {name: fit_stack_fraction(train, st, programs, analyzer, specs)
                            for name, st in stacks.items()
                            if any(c.stack == name for c in held) and any(c.stack == name for c in train)}
@@ -168,12 +192,19 @@ def holdout(cases: Sequence[PublishedRun], key: str, *, programs: ProgramCache |
                 spec = with_matmul_fraction(spec, f)
             else:
                 f = None
+            d = None
+            if case.hardware in dcn_chips and case.one_slice is not None:      # a multi-slice run
+                d = dcn.get(case.hardware, dcn_prior)
+                if d is None:
+                    rows.append(HeldOut(case, g, f, None))
+                    continue
+                spec = with_dcn_fraction(spec, d)
             stack, sf = None, None
             if case.stack in stacks:      # refitted without the group; an unseen stack at the modelled rate
                 sf = stack_fractions.get(case.stack, 1.0)
                 stack = dataclasses.replace(stacks[case.stack], compute_fraction=sf)
             r = run_case(case, programs, analyzer, spec=spec, stack=stack)
-            rows.append(HeldOut(case, g, f, r.error_pct, sf))
+            rows.append(HeldOut(case, g, f, r.error_pct, sf, d))
     order = {c.case: i for i, c in enumerate(cases)}
     return HoldoutReport(key, tuple(sorted(rows, key=lambda r: order[r.case.case])))
 
