@@ -59,7 +59,7 @@ from partir_emu.hwmodels.machine.slices import topology_for
 from partir_emu.hwmodels.machine.specs import HardwareSpec, SpecLoader
 from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.comm import CommModel, PriceCache
-from partir_emu.hwmodels.pricing import Priced, collective_rows, price, totals, wire_keys
+from partir_emu.hwmodels.pricing import CollectiveRows, Priced, price, totals, wire_keys
 from partir_emu.hwmodels.report import CollectiveRow, SimReport
 from partir_emu.hwmodels.timeline.overlap import OverlapPlan
 
@@ -270,7 +270,7 @@ class Analyzer:
             by_collective=tot.by_coll, by_axes=tot.by_axes,
             hfu=tot.dot_flops / peak_s if peak_s > 0 else 0.0,
             mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
-            fusion=tot.fusion, collectives=tuple(collective_rows(pr)), faults=faults, comm_streams=int(comm_streams),
+            fusion=tot.fusion, collectives=CollectiveRows(pr), faults=faults, comm_streams=int(comm_streams),
             stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes))
 
 

@@ -25,8 +25,9 @@ schedule (slowed by the others in flight, :mod:`partir_emu.hwmodels.network.conc
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -214,6 +215,45 @@ def _breakdowns(pc: ProgramCosts, times: np.ndarray, byts: np.ndarray, costs: li
             d["time_s"] += cnt * c.time_s
             d["bytes"] += cnt * c.nbytes          # as moved (a stack's fp32 gradient reductions: twice the traced)
     return by_kind, by_prim, by_coll, by_axes
+
+
+class CollectiveRows(Sequence[CollectiveRow]):
+    """:func:`collective_rows` of ``pr``, built when first read: a report's rows (one per executed
+    collective, ~2,000 on a 48-layer step) are most of a warm evaluation's time, and a search or a
+    study that ranks by the step never reads them. A tuple for every reader: equal to, and hashing
+    like, the tuple of its rows."""
+
+    __slots__ = ("_pr", "_rows")
+
+    def __init__(self, pr: Priced) -> None:
+        self._pr: Priced | None = pr
+        self._rows: tuple[CollectiveRow, ...] | None = None
+
+    def _all(self) -> tuple[CollectiveRow, ...]:
+        if self._rows is None:
+            assert self._pr is not None
+            self._rows, self._pr = tuple(collective_rows(self._pr)), None
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __getitem__(self, i: Any) -> Any:                      # an index or a slice, as a tuple takes
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[CollectiveRow]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CollectiveRows):
+            other = other._all()
+        return self._all() == other
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return f"CollectiveRows(<{len(self)} rows>)"
 
 
 def collective_rows(pr: Priced) -> list[CollectiveRow]:

@@ -4,7 +4,7 @@ iteration, ``at`` naming the enclosing loop equations and iterations)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -59,7 +59,7 @@ class SimReport:
     hfu: float                      # matmul FLOPs per device (recompute included) / (step_s * bf16 peak)
     mfu: float | None               # model_flops / (step_s * bf16 peak); None when no model_flops was given
     fusion: dict[str, float]        # kernels, fused groups, hand kernels, bytes saved (fusion.FusionPlan.summary)
-    collectives: tuple[CollectiveRow, ...] = field(repr=False)
+    collectives: Sequence[CollectiveRow] = field(repr=False)     # built when first read (pricing.CollectiveRows)
     faults: tuple[str, ...] = ()    # the faults applied: degraded/failed links, stragglers (hwmodels.links)
     comm_streams: int = 1           # collectives run at once with overlap
     stack: str = "xla"              # the software stack priced (hwmodels.compute.stack)
