@@ -24,6 +24,7 @@ if under_mpirun():      # a host's first rank, before MPI starts: MPICH's segmen
 if TYPE_CHECKING:
     from partir_emu.api import jit, lower_program, trace
     from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPartition
+    from partir_emu.compiler.tracing.tag import tag
     from partir_emu.core.mesh import Mesh
     from partir_emu.core.sharding import Sharding
     from partir_emu.errors import PartirError, PartitionWarning
@@ -31,14 +32,14 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["Mesh", "Sharding", "ManualPartition", "AutomaticPartition", "REPLICATED", "PartirError", "PartitionWarning",
-           "jit", "trace", "lower_program", "from_partition_specs", "__version__"]
+           "jit", "trace", "lower_program", "from_partition_specs", "tag", "__version__"]
 
 _HOME = {"Mesh": "partir_emu.core.mesh", "Sharding": "partir_emu.core.sharding",
          "ManualPartition": "partir_emu.compiler.tactics", "AutomaticPartition": "partir_emu.compiler.tactics",
          "REPLICATED": "partir_emu.compiler.tactics", "PartirError": "partir_emu.errors",
          "PartitionWarning": "partir_emu.errors",
          "jit": "partir_emu.api", "trace": "partir_emu.api", "lower_program": "partir_emu.api",
-         "from_partition_specs": "partir_emu.interop"}
+         "from_partition_specs": "partir_emu.interop", "tag": "partir_emu.compiler.tracing.tag"}
 
 
 def __getattr__(name: str) -> Any:

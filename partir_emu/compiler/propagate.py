@@ -46,7 +46,8 @@ def apply_tactic(state: ShardingState, tactic: ManualPartition, index: int) -> N
     label = tactic.name or f"tactic {index} ({axis})"
     seeds = [p.inputs[i] for i, dim in tactic.resolve(p.input_names).items()
              if _seed(state, axis, label, i, dim)]
-    propagate(state, axis, seeds, label, intended=tactic.meet == "reshard")
+    stops = tactic.stops([(k, e.params["name"]) for k, e in enumerate(p.eqns) if e.prim == "tag"])
+    propagate(state, axis, seeds, label, intended=tactic.meet == "reshard", stops=stops)
     state.tactics_applied.append(label)
 
 
@@ -95,19 +96,22 @@ def _seed(state: ShardingState, axis: str, label: str, i: int, dim: object) -> b
     return True
 
 
-def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str, intended: bool = False) -> None:
+def propagate(state: ShardingState, axis: str, seeds: list[Var], label: str, intended: bool = False,
+              stops: frozenset[int] = frozenset()) -> None:
     """Carry ``axis`` from the ``seeds`` (values just tiled by it) to a fixed point. ``intended``:
     the tactic's seeds are meant to meet (``ManualPartition(meet="reshard")``); conflicts between
-    them are recorded as intended, not warned about."""
-    _Propagation(state, axis, label, intended).run(seeds)
+    them are recorded as intended, not warned about. ``stops``: tag equations the axis is not carried
+    across (``ManualPartition(stop_at=...)``)."""
+    _Propagation(state, axis, label, intended, stops).run(seeds)
 
 
 class _Propagation:
     """One axis, one tactic: the worklist and the conflicts already recorded."""
 
-    def __init__(self, state: ShardingState, axis: str, label: str, intended: bool = False) -> None:
+    def __init__(self, state: ShardingState, axis: str, label: str, intended: bool = False,
+                 stops: frozenset[int] = frozenset()) -> None:
         self.state, self.index, self.axis, self.label = state, state.index, axis, label
-        self.intended = intended
+        self.intended, self.stops = intended, stops
         self.queue: deque[int] = deque()
         self.queued: set[int] = set()
         self.recorded = {(c.eqn, c.axis) for c in state.conflicts}
@@ -148,6 +152,8 @@ class _Propagation:
     def _visit(self, e: int) -> Iterator[_Met]:
         """Settle the factor the axis tiles at equation ``e`` and push it to every dim made of
         it; yield each conflict met on the way."""
+        if e in self.stops:
+            return      # a tag this tactic stops at: each side keeps its own tiling
         st, axis, prim = self.state, self.axis, self.state.program.eqns[e].prim
         rule, F = self.index.rules[e], st.eqn_factors[e]
         wanted = self._wanted(e)
@@ -249,6 +255,8 @@ class _Propagation:
         of ``v``, given what its other operands and results already say? And if not, was what
         stops it decided by this tactic (False when the rule itself forbids it)?"""
         st, axis, rule = self.state, self.axis, self.index.rules[q]
+        if st.program.eqns[q].prim == "tag":
+            return True, False      # a tag is a reshard point: its result may be tiled apart from its operand
         F, slots, mesh = st.eqn_factors[q], self.index.slots[q], st.mesh
         f = factor_of_axis(mesh, rule.sizes, slots[self.index.result_slot[v]][1][d], new_axes, axis)
         if f is None or f in rule.blocked:

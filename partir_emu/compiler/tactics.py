@@ -50,10 +50,18 @@ class ManualPartition:
     # cache on batch and the queries on heads, and wants the small operands resharded where they
     # meet; the conflicts are recorded and resharded, not warned about).
     meet: str = "warn"
+    # Globs over the names of the model's tags (``partir_emu.tag(x, name)``) where this tactic's
+    # propagation stops: its axis is not carried across them, so each side keeps the tiling its own
+    # side gives it and the lowering reshards at the tag (a mixture of experts' expert tactic stops
+    # at the dispatch and combine tags: the tokens keep the batch tiling, the experts theirs).
+    stop_at: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str):
             raise TacticError(f"ManualPartition axis must be a mesh axis name, got {self.axis!r}")
+        if isinstance(self.stop_at, str) or not all(isinstance(p, str) and p for p in self.stop_at):
+            raise TacticError(f"ManualPartition on axis {self.axis!r}: stop_at={self.stop_at!r}; give a tuple of "
+                              "tag-name globs, e.g. stop_at=('moe/*',)")
         if self.meet not in ("warn", "reshard"):
             raise TacticError(f"ManualPartition on axis {self.axis!r}: meet={self.meet!r}; use 'warn' (the default) or "
                               "'reshard' (the tactic's seeds are meant to meet with different tilings)")
@@ -65,6 +73,19 @@ class ManualPartition:
     def describe(self) -> str:
         items = ", ".join(f"{p!r}: {d!r}" for p, d in self.inputs.items())
         return self.name or f"ManualPartition({{{items}}}, axis={self.axis!r})"
+
+    def stops(self, tags: Sequence[tuple[int, str]]) -> frozenset[int]:
+        """The equations, of ``(equation, tag name)``, where this tactic stops. Raises if a ``stop_at``
+        glob matches no tag (unless ``allow_unmatched``)."""
+        out = set()
+        for pat in self.stop_at:
+            hits = [e for e, name in tags if fnmatch.fnmatchcase(name, pat)]
+            if not hits and not self.allow_unmatched:
+                known = sorted({name for _, name in tags})
+                raise TacticError(f"tactic {self.describe()}: stop_at pattern {pat!r} matches no tag of the program; "
+                                  f"its tags are {known or 'none (the model calls partir_emu.tag(x, name))'}")
+            out.update(hits)
+        return frozenset(out)
 
     def resolve(self, names: Sequence[str]) -> dict[int, int | Replicated]:
         """Input index → dim (or REPLICATED). Raises if a pattern matches nothing."""

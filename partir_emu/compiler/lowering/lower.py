@@ -220,6 +220,13 @@ class Lowerer:
 
     def lower_eqn(self, i: int, e: Eqn) -> None:
         st = self.state
+        if e.prim == "tag" and isinstance(e.inputs[0], Var):
+            # a reshard point (compiler.tracing.tag): the result keeps the tiling propagation gave it,
+            # reached from the operand's by the fewest collectives (an all_to_all where the sides differ)
+            (o,) = e.outputs
+            self.actual[o] = st.sharding(o)
+            self.local[o] = self.reshard(e.inputs[0], self.actual[o], f"tag {e.params['name']!r} at {e.source}")
+            return
         rule = st.rules[i]
         F = st.eqn_factors[i]
         used = {a for ax in F.values() for a in ax}
