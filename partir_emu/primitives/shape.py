@@ -1,11 +1,17 @@
 """Shape primitives: broadcast, reshape, transpose, squeeze/expand_dims, concatenate, slice,
-pad, rev, dynamic_slice/update, split, stack/unstack, tile, iota.
+pad, rev, dynamic_slice/update, split, stack/unstack, tile, iota, and ``rotate``.
 
 Rules: reshape uses compound factors (a dim made of several factors, major→minor); dims
 that a slice, pad, concatenation or reversal changes are blocked. Impls may return views of
 their operands and never write into one. Costs: layout ops move bytes and do no FLOPs
 (kind ``memory``; slices read only what they keep). Lowering localizes the parameters that
 spell out global sizes (``shape``, ``new_sizes``, ``slice_sizes``, ``limit_indices``).
+
+``rotate[dimension, shift]`` (``jnp.roll`` of one dim by a static shift: ``y[i] = x[(i - shift) mod n]``)
+is not a jax primitive: the tracer finds the two forms jax writes it in, the concatenation of two
+slices and its transpose (:mod:`partir_emu.compiler.tracing.rotations`). Its rule shares every dim, the
+rotated one too, and lets pending sums through (it is linear); a tiled rotated dim is lowered to a
+``collective_permute`` of whole blocks (:mod:`partir_emu.compiler.lowering.rotate`).
 """
 from __future__ import annotations
 
@@ -191,6 +197,13 @@ def tile_rule(eqn: Eqn) -> FactorRule:
     return b.rule(ins, [odims])
 
 
+def rotate_rule(eqn: Eqn) -> FactorRule:
+    """Every dim shared by operand and result, the rotated one included (see the module docstring)."""
+    b = RuleBuilder()
+    dims = b.fresh_dims(eqn.inputs[0].shape)
+    return b.rule([dims], [dims], linear=True)
+
+
 def iota_rule(eqn: Eqn) -> FactorRule:
     b = RuleBuilder()
     return b.rule([], [b.fresh_dims(eqn.outputs[0].shape, blocked=True)])
@@ -308,3 +321,6 @@ _ENTRIES: dict[str, tuple[Callable[[Eqn], FactorRule], Callable[..., Any], Calla
 }
 register(*(Primitive(name, kind="memory", rule=rule, impl=impl, cost=cost, localize=loc)
            for name, (rule, impl, cost, loc) in _ENTRIES.items()))
+# made by the tracer from the slices and concatenation jax writes (not a jaxpr primitive)
+register(Primitive("rotate", kind="memory", rule=rotate_rule, cost=copy_cost, traceable=False,
+                   impl=lambda x, shift, dimension, **_: np.roll(x, shift, axis=dimension)))

@@ -33,6 +33,7 @@ from partir_emu.compiler.lowering.gathers import (
 from partir_emu.compiler.lowering.halo import lower_spatial
 from partir_emu.compiler.lowering.indexed import lower_indexed
 from partir_emu.compiler.lowering.loops import lower_loop
+from partir_emu.compiler.lowering.rotate import lower_rotation
 from partir_emu.compiler.state import ShardingState, mesh_order
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.sharding import Sharding
@@ -259,6 +260,8 @@ class Lowerer:
         if lower_spatial(self, i, e, ins, outs):   # a tiled spatial dim: halo exchange + local eqn
             return
         if lower_indexed(self, i, e, ins, outs):   # a lookup into a tiled dim: masked local lookup
+            return
+        if lower_rotation(self, i, e, ins, outs):  # a rotation along a tiled dim: collective_permute
             return
         params = localize_params(e, ins, outs)
         self.append(Eqn(e.prim, tuple(ins), tuple(outs), params, e.source, e.kernel))

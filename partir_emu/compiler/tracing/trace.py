@@ -26,6 +26,7 @@ from jax.extend import core as jcore
 
 from partir_emu.compiler.tracing.keys import physical_aval, physical_params, physical_value
 from partir_emu.compiler.tracing.loops import empty_as_zeros, select_cond, trace_scan, trace_while
+from partir_emu.compiler.tracing.rotations import find_rotations
 from partir_emu.compiler.tracing.unsupported import UnsupportedReport
 from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
@@ -252,4 +253,7 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
     leaves, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = [_path_str(p) or "out" for p, _ in leaves]
     eqns, consts = dead_code_elimination(b.eqns, b.consts, outs)
-    return Program(tuple(inputs), tuple(names), tuple(eqns), tuple(outs), tuple(out_names), tuple(consts))
+    # jnp.roll's slices and concatenation (and their transpose) as one rotate: partitionable along the
+    # rolled dim (compiler/tracing/rotations.py)
+    return find_rotations(Program(tuple(inputs), tuple(names), tuple(eqns), tuple(outs), tuple(out_names),
+                                  tuple(consts)))
