@@ -3,7 +3,7 @@ scenario's parameter kinds (:class:`~scenarios.common.ParamKind`) and written ag
 with shell globs (see :mod:`scenarios.common`).
 
 Strategies are functions ``strategy(mesh, cfg=None) -> list[ManualPartition]``. Data axes are every
-mesh axis except ``model``, in mesh order; the model axis is ``model``. Without ``cfg`` the dims are
+mesh axis except ``model``, ``stage`` and ``context`` (:mod:`scenarios.stage_context`), in mesh order; the model axis is ``model``. Without ``cfg`` the dims are
 the static defaults documented in :func:`build_strategy`; with ``cfg`` they are checked against the
 real shapes (and a ZeRO dim that does not divide falls back deterministically).
 """
@@ -15,12 +15,13 @@ from partir_emu.compiler.tactics import REPLICATED, AutomaticPartition, ManualPa
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
 from scenarios.common import MODEL_AXIS, Config, KindsFn, ParamKind, Strategy
+from scenarios.stage_context import CONTEXT_AXIS, STAGE_AXIS, context_tactic, stage_tactic
 
-PARTS = ("bp", "mp", "sp", "emb", "z2", "z3", "auto")     # what a strategy name is made of, joined by '+'
+PARTS = ("bp", "mp", "sp", "emb", "pp", "cp", "z2", "z3", "auto")     # what a strategy name is made of, joined by '+'
 
 
 def data_axes(mesh: Mesh) -> list[str]:
-    return [a for a in mesh.axis_names if a != MODEL_AXIS]
+    return [a for a in mesh.axis_names if a not in (MODEL_AXIS, STAGE_AXIS, CONTEXT_AXIS)]
 
 
 def check_mesh(mesh: Mesh, strategy: str, *, need_data: bool, need_model: bool) -> None:
@@ -69,6 +70,8 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     Tactic order: bp (one per data axis), then mp, emb and sp (on ``model``), then z2/z3
     (one per data axis).
 
+    - ``pp``, ``cp`` (after sp): :mod:`scenarios.stage_context` (a pipeline's stacked layer weights on
+      ``stage``; the batch's sequence on ``context``).
     - ``bp``: ``batch/*`` dim 0 on each data axis.
     - ``mp``: each kind with an ``mp_dim`` (column-parallel weights dim 1,
       their biases dim 0, row-parallel weights dim 0), its ``mu``/``nu`` alike.
@@ -96,7 +99,7 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     unknown = [p for p in parts if p not in PARTS]
     if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
             or ("auto" in parts and ("mp" in parts or "emb" in parts)):
-        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, sp and emb (or auto), z2, z3 "
+        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, sp and emb (or auto), pp, cp, z2, z3 "
                             f"(z2@AXES / z3@AXES for ZeRO over some data axes), joined by '+', e.g. bp+mp+sp+z3")
     use_mp, use_emb = "mp" in parts, "emb" in parts
     use_auto = "auto" in parts
@@ -125,6 +128,10 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
         tactics.append(_model_tactic(name, "emb", kinds, mesh, shapes, tiled))
     if "sp" in parts:
         tactics.append(_sequence_tactic(name, batch_patterns, seq_dim))
+    if "pp" in parts:
+        tactics.append(stage_tactic(name, kinds, mesh, cfg))
+    if "cp" in parts:
+        tactics.append(context_tactic(name, mesh, cfg, batch_patterns, seq_dim))
     if use_auto:
         # the model axis searched instead of written: the caller's cost model prices each choice
         # (partir_emu.api passes the analytical model, on this tactic's hardware)

@@ -9,7 +9,7 @@ spell out global sizes (``shape``, ``new_sizes``, ``slice_sizes``, ``limit_indic
 
 ``rotate[dimension, shift]`` (``jnp.roll`` of one dim by a static shift: ``y[i] = x[(i - shift) mod n]``)
 is not a jax primitive: the tracer finds the two forms jax writes it in, the concatenation of two
-slices and its transpose (:mod:`partir_emu.compiler.tracing.rotations`). Its rule shares every dim, the
+slices and its transpose (:mod:`partir_emu.compiler.tracing.idioms`). Its rule shares every dim, the
 rotated one too, and lets pending sums through (it is linear); a tiled rotated dim is lowered to a
 ``collective_permute`` of whole blocks (:mod:`partir_emu.compiler.lowering.rotate`).
 """

@@ -18,6 +18,7 @@ import numpy as np
 from scenarios.common import Config
 from scenarios.precision import as_dtype, compute_dtype, wide
 from scenarios.training import op_scope, train_step
+from scenarios.transformer import pipeline
 from scenarios.transformer.attention import ATTENTION, SAVED  # SAVED: what remat=op keeps
 
 EPS = 1e-5
@@ -136,6 +137,26 @@ def make_block(cfg: Config):
     return parallel if cfg["block"] == "parallel" else serial
 
 
+def remat_policy(cfg: Config):
+    """The ``jax.checkpoint`` policy each layer is wrapped in under ``remat`` (None: the layer is not
+    wrapped; ``remat=selective`` checkpoints the attention core inside it instead)."""
+    import jax
+
+    policies = jax.checkpoint_policies
+    remat = str(cfg.get("remat", 0))
+    if remat in ("1", "full"):
+        return policies.nothing_saveable
+    if remat == "minimal":
+        # MaxText remat_policy=minimal: keep the outputs of the dots without batch dimensions (the
+        # projections and the MLP), recompute the rest of the layer (its elementwise work and attention)
+        return policies.checkpoint_dots_with_no_batch_dims
+    if remat == "dots":
+        return policies.dots_saveable       # every dot's output kept
+    if remat == "op":
+        return policies.save_only_these_names(SAVED)
+    return None
+
+
 def make_loss(cfg: Config):
     """``(params, batch) -> mean next-token cross-entropy`` (float32)."""
     import jax
@@ -143,23 +164,17 @@ def make_loss(cfg: Config):
 
     dtype = compute_dtype(cfg)
     block = make_block(cfg)
-    remat = str(cfg.get("remat", 0))
-    if remat in ("1", "full"):
-        block = jax.checkpoint(block)
-    elif remat == "minimal":
-        # MaxText remat_policy=minimal: keep the outputs of the dots without batch dimensions (the
-        # projections and the MLP), recompute the rest of the layer (its elementwise work and attention)
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
-    elif remat == "dots":
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)   # every dot's output kept
-    elif remat == "op":
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.save_only_these_names(SAVED))
+    policy = remat_policy(cfg)
+    if policy is not None:
+        block = jax.checkpoint(block, policy=policy)
 
     def loss_fn(params, batch):
         emb = params["embed"]
         # gather from the float32 table, then cast: the embedding gradient accumulates in float32
         x = as_dtype(emb["tokens"][batch["tokens"]], dtype) + as_dtype(emb["pos"], dtype)
-        if cfg["layers_as"] == "loop":
+        if pipeline.pipelined(cfg):        # the layers as P stages (scenarios.transformer.pipeline)
+            x = pipeline.run_layers(cfg, make_block(cfg), params["layers"], x, policy)
+        elif cfg["layers_as"] == "loop":
             x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params["layers"])
         else:
             for i in range(cfg["layers"]):
@@ -181,7 +196,9 @@ def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
 
     loss_fn = make_loss(cfg)
 
-    return train_step(loss_fn, lr=lr, grads_only=grads_only, microbatches=int(cfg.get("microbatches", 1)))
+    # a pipeline's micro-batches are its own (scenarios.transformer.pipeline), not gradient accumulation
+    k = 1 if pipeline.pipelined(cfg) else int(cfg.get("microbatches", 1))
+    return train_step(loss_fn, lr=lr, grads_only=grads_only, microbatches=k)
 
 
 __all__ = ["make_step", "make_loss", "make_block", "norm", "dense", "gelu", "relu", "silu", "compute_dtype"]

@@ -128,9 +128,11 @@ from partir_emu.errors import ScenarioError
 from scenarios.common import Config, ParamKind, Scenario
 from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strategies
 from scenarios.transformer import model as transformer_model
+from scenarios.transformer import pipeline
 
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
-              "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as")
+              "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as",
+              *pipeline.NAMES)
 CHOICES: dict[str, tuple[str, ...]] = {
     "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots", "op"),
     "precision": ("f32", "bf16"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
@@ -164,7 +166,7 @@ def complete_config(cfg: Config) -> Config:
                                 "change --set d_model=... or heads=..., or set head_dim=...")
         out["head_dim"] = out["d_model"] // out["heads"]
     out.setdefault("kv_heads", out["heads"])
-    return out
+    return pipeline.complete(out)
 
 
 def _mlp_mats(cfg: Config) -> tuple[str, ...]:
@@ -251,8 +253,9 @@ def make_params(cfg: Config, rng: np.random.Generator) -> dict:
     draws), each layer's stacked on dim 0, so both forms of one config compute the same step."""
     cfg = complete_config(cfg)
     if cfg["layers_as"] == "loop":
-        flat = make_params(dict(cfg, layers_as="unrolled"), rng)
+        flat = make_params(dict(cfg, layers_as="unrolled", pipeline=1, virtual_stages=1), rng)
         layers = [flat.pop(f"layer_{i}") for i in range(cfg["layers"])]
+        layers = [layers[i] for i in pipeline.layer_order(cfg)]    # a pipeline's are stored stage-major
         flat["layers"] = _stack_trees(layers)
         return flat
 
@@ -316,6 +319,7 @@ PARAM_KINDS = param_kinds(None)
 
 
 def _check_config(cfg: Config) -> None:
+    pipeline.check(cfg)
     if cfg["microbatches"] < 1 or cfg["batch"] % cfg["microbatches"]:
         raise ScenarioError(f"transformer: microbatches={cfg['microbatches']} does not divide batch={cfg['batch']}; "
                             "gradient accumulation needs equal micro-batches (set batch to a multiple of it)")

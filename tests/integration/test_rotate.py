@@ -1,6 +1,6 @@
 """Rotations along a tiled dim (issue 24, the mechanism of pipeline and context parallelism):
 ``jnp.roll`` (and the concatenation of two slices MaxText's pipeline writes by hand) traces to one
-``rotate`` equation, forward and transposed (``compiler/tracing/rotations.py``), and a rotated dim
+``rotate`` equation, forward and transposed (``compiler/tracing/idioms.py``), and a rotated dim
 tiled over mesh axes lowers to ``collective_permute``s of whole blocks, never a gather
 (``compiler/lowering/rotate.py``, whose docstring gives the counts checked here).
 """
@@ -125,3 +125,20 @@ def test_a_rotation_of_an_untiled_dim_stays_local():
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
     counts = _prims(pjit.lower(X, W).spmd.program)
     assert counts["rotate"] == 3 and not counts["collective_permute"] and not counts["all_gather"]
+
+
+def test_a_bfloat16_roll_in_a_loop_and_its_gradient_are_permutes():
+    """jax writes a bfloat16 zero as a constant, which a loop body receives as an input: the
+    transposed roll's zero pads are still recognised there (as MaxText's bf16 pipeline needs)."""
+    def step(x):
+        h = x.astype(jnp.bfloat16)
+        h, _ = jax.lax.scan(lambda c, _: (jnp.roll(jnp.sin(c), 1, axis=0), None), h, None, length=3)
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    fn = jax.value_and_grad(step)
+    pjit = partir_emu.jit(fn, mesh=Mesh(s=4), schedule=[ManualPartition({"x": 0}, axis="s")])
+    got, want = pjit(X), jax.jit(fn)(X)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-2)
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-2, atol=2e-2)
+    counts = _prims(pjit.lower(X).spmd.program)
+    assert counts["collective_permute"] == 2 and not counts["all_gather"], counts     # one in each loop body

@@ -1,6 +1,6 @@
 """A rotation along a tiled dim: ``collective_permute`` of whole blocks, never a gather.
 
-``rotate[dimension, shift]`` (``jnp.roll``, found by :mod:`partir_emu.compiler.tracing.rotations`) is
+``rotate[dimension, shift]`` (``jnp.roll``, found by :mod:`partir_emu.compiler.tracing.idioms`) is
 ``y[i] = x[(i - s) mod n]``. When its dim is tiled over mesh axes ``A`` (a group of ``g`` members,
 member ``j`` holding rows ``[j·b, (j+1)·b)``, ``n = g·b``), member ``j``'s block of ``y`` is rows
 ``[j·b - s, (j+1)·b - s)`` of ``x``. With ``s mod n = q·b + r`` (``0 <= r < b``):

@@ -24,9 +24,9 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from partir_emu.compiler.tracing.idioms import find_idioms
 from partir_emu.compiler.tracing.keys import physical_aval, physical_params, physical_value
 from partir_emu.compiler.tracing.loops import empty_as_zeros, select_cond, trace_scan, trace_while
-from partir_emu.compiler.tracing.rotations import find_rotations
 from partir_emu.compiler.tracing.unsupported import UnsupportedReport
 from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
@@ -253,7 +253,7 @@ def trace(fn: Callable, *args: Any, arg_names: Sequence[str] | None = None) -> P
     leaves, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = [_path_str(p) or "out" for p, _ in leaves]
     eqns, consts = dead_code_elimination(b.eqns, b.consts, outs)
-    # jnp.roll's slices and concatenation (and their transpose) as one rotate: partitionable along the
-    # rolled dim (compiler/tracing/rotations.py)
-    return find_rotations(Program(tuple(inputs), tuple(names), tuple(eqns), tuple(outs), tuple(out_names),
+    # jnp.roll's slices and concatenation (and their transpose) as one rotate, partitionable along the
+    # rolled dim; a loop's accumulated zero-based scatter-add in place (compiler/tracing/idioms.py)
+    return find_idioms(Program(tuple(inputs), tuple(names), tuple(eqns), tuple(outs), tuple(out_names),
                                   tuple(consts)))
