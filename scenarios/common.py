@@ -32,7 +32,7 @@ import numpy as np
 from partir_emu.compiler.tactics import ManualPartition
 from partir_emu.core.mesh import Mesh
 from partir_emu.errors import ScenarioError
-from scenarios.training import adam_init
+from scenarios.training import adam_init, adam_layout
 from scenarios.trees import input_names, leaves, map_leaves, map_shapes, path_name
 
 Config = dict[str, Any]      # size name -> int (sizes, 0/1 switches) or str (choices, e.g. precision="bf16")
@@ -120,8 +120,7 @@ class Scenario:
         """The state as a nested dict of ``(shape, dtype)`` (numpy only, nothing allocated)."""
         if self.state_shapes is not None:
             return self.state_shapes(cfg)
-        moments = map_shapes(self.param_shapes(cfg), lambda s: (tuple(s), np.float32))
-        return {"mu": moments, "nu": dict(moments), "count": ((), np.int32)}
+        return adam_layout(self.param_shapes(cfg))
 
     def state_bytes(self, cfg: Config) -> int:
         return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in leaves(self.state_layout(cfg)))

@@ -47,6 +47,12 @@ def adam_init(params: Any) -> dict:
     return {"mu": jax.tree.map(jnp.zeros_like, params), "nu": jax.tree.map(jnp.zeros_like, params),
             "count": jnp.zeros((), jnp.int32)}
 
+def adam_layout(param_shapes: dict) -> dict:
+    """Adam's state as a nested dict of ``(shape, dtype)``: float32 moments shaped like the parameters
+    and an int32 count (what :func:`adam_init` makes)."""
+    moments = map_leaves(param_shapes, lambda s: (tuple(s), np.float32))
+    return {"mu": moments, "nu": dict(moments), "count": ((), np.int32)}
+
 def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False, microbatches: int = 1) -> Any:
     """``(params, opt, batch) -> (loss, new_params, new_opt)``: value_and_grad of ``loss_fn`` then
     :func:`adam_update`; with ``grads_only`` stopped before the optimizer: ``-> (loss, grads)``.

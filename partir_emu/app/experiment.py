@@ -43,6 +43,7 @@ from partir_emu.runtime.verdict import (
     reduction_length,
 )
 from scenarios import get_scenario
+from scenarios.precision import reference_config
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -124,10 +125,12 @@ class Experiment:
     def high_precision_step(self) -> Any:
         """The step the float64 reference runs: a ``precision=bf16`` configuration's casts to
         bfloat16 would still round under x64, so its reference is the same step with
-        ``precision=f32`` (no casts), run in float64; otherwise the step itself."""
-        if self.cfg.get("precision", "f32") == "f32":
+        ``precision=f32`` (no casts), run in float64; otherwise (``precision=fp8`` too: its
+        quantisers are part of the step) the step itself (:func:`scenarios.precision.reference_config`)."""
+        ref = reference_config(self.cfg)
+        if ref is self.cfg:
             return self.jitted_step
-        return _jax().jit(self.scenario.build_step({**self.cfg, "precision": "f32"}, strict=self.strict))
+        return _jax().jit(self.scenario.build_step(ref, strict=self.strict))
 
     def reference(self, inputs: Sequence[np.ndarray] | None = None, *, x64: bool = False) -> list[np.ndarray]:
         """The unpartitioned ``jax.jit(step)`` on the same (flat) inputs; with ``x64`` in float64

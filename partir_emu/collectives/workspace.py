@@ -9,6 +9,7 @@ or reduces them, one numpy call for all rows where it can. The step planner
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -58,11 +59,36 @@ class Rows:
             return None
         if self.stride == self.L:
             return buf[self.o0:self.o0 + self.n * self.L].reshape(self.n, self.L)
-        return as_strided(buf[self.o0:], shape=(self.n, self.L), strides=(self.stride * buf.itemsize, buf.itemsize))
+        raw = _raw(buf)
+        v = as_strided(raw[self.o0:], shape=(self.n, self.L), strides=(self.stride * buf.itemsize, buf.itemsize))
+        return v if raw is buf else v.view(buf.dtype)
 
     def read(self, buf: np.ndarray) -> np.ndarray:
         v = self.view(buf)
-        return v if v is not None else sliding_window_view(buf, self.L)[self.offs]
+        return v if v is not None else _windows(buf, self.L)[self.offs]
+
+
+def _raw(buf: np.ndarray) -> np.ndarray:
+    """``buf``, or its bytes as unsigned ints of its width when numpy's stride tricks cannot carry its
+    dtype (they go through the array interface, which reads ml_dtypes' float8_e5m2, typestr
+    ``'<f1'``, as no dtype at all)."""
+    return buf if _interface_keeps(buf.dtype) else buf.view(f"u{buf.itemsize}")
+
+
+@functools.cache
+def _interface_keeps(dt: np.dtype) -> bool:
+    try:
+        np.dtype(dt.str)
+    except TypeError:
+        return False
+    return True
+
+
+def _windows(buf: np.ndarray, L: int, writeable: bool = False) -> np.ndarray:
+    """``sliding_window_view(buf, L)``, for any dtype (:func:`_raw`)."""
+    raw = _raw(buf)
+    win = sliding_window_view(raw, L, writeable=writeable)
+    return win if raw is buf else win.view(buf.dtype)
 
 
 def move(dst_buf: np.ndarray, dst: Rows, src_buf: np.ndarray, src: Rows, fn: np.ufunc | None = None) -> None:
@@ -86,7 +112,7 @@ def move(dst_buf: np.ndarray, dst: Rows, src_buf: np.ndarray, src: Rows, fn: np.
         else:
             fn(dview, vals, out=dview)
     else:
-        win = sliding_window_view(dst_buf, L, writeable=True)
+        win = _windows(dst_buf, L, writeable=True)
         win[dst.offs] = vals if fn is None else fn(win[dst.offs], vals)
 
 

@@ -23,6 +23,9 @@ import numpy as np
 _ITEMSIZE = {
     "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
     "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
+    # the FP8 formats (one byte each; scenarios.fp8 quantises to E4M3 and E5M2)
+    **dict.fromkeys(("float8_e3m4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
+                     "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"), 1),
 }
 
 

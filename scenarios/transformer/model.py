@@ -7,7 +7,8 @@ Mixed precision (``precision=bf16``) as Megatron and MaxText do it: parameters a
 gradients are bfloat16 and the parameter gradients come back float32 through the casts; norm
 statistics, the softmax and the loss (logits cast to float32 before the log-softmax) are float32,
 their outputs cast back. Adam's state is float32 (``scenarios.common.adam_update``). With
-``precision=f32`` no cast is emitted at all.
+``precision=f32`` no cast is emitted at all. ``precision=fp8`` is bf16 with every dense layer an FP8
+matmul with delayed scaling (:mod:`scenarios.fp8`; its amax histories in ``opt/fp8``).
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import math
 import numpy as np
 
 from scenarios.common import Config
+from scenarios.fp8 import fp8_matmul, fp8_matmuls, fp8_train_step, histories_of
 from scenarios.precision import as_dtype, compute_dtype, wide
 from scenarios.training import op_scope, train_step
-from scenarios.transformer import pipeline
+from scenarios.transformer import pipeline, ring_attention
 from scenarios.transformer.attention import ATTENTION, SAVED  # SAVED: what remat=op keeps
 
 EPS = 1e-5
@@ -85,8 +87,10 @@ class EverySecondDot:
 
 
 def dense(x, p: dict, w: str, b: str | None = None, sac: EverySecondDot | None = None):
-    """``x @ p[w] (+ p[b] when the config has that bias)``, the parameters cast to ``x``'s dtype."""
-    y = x @ as_dtype(p[w], x.dtype)
+    """``x @ p[w] (+ p[b] when the config has that bias)``, the parameters cast to ``x``'s dtype; an
+    FP8 matmul (:func:`scenarios.fp8.fp8_matmul`) when the step grafted amax histories beside ``w``."""
+    meta = histories_of(p, w)
+    y = x @ as_dtype(p[w], x.dtype) if meta is None else fp8_matmul(x, p[w], meta)
     if sac is not None:
         y = sac(y)
     return y + as_dtype(p[b], x.dtype) if b is not None and b in p else y
@@ -98,7 +102,7 @@ def attention(x, p: dict, cfg: Config, sac: EverySecondDot | None = None):
     q = dense(x, p, "w_q", "b_q", sac).reshape(b, s, heads, dh)
     k = dense(x, p, "w_k", None, sac).reshape(b, s, kv, dh)    # no key bias (see scenarios.transformer.scenario)
     v = dense(x, p, "w_v", "b_v", sac).reshape(b, s, kv, dh)
-    core = ATTENTION[cfg["attention"]]
+    core = ring_attention.core(cfg) if cfg["attention"] == "ring" else ATTENTION[cfg["attention"]]
     if str(cfg.get("remat", 0)) == "selective":
         # Korthikanti et al. 2022 (arXiv 2205.05198 sec. 4.2) selective recomputation: only the attention
         # core (q·kᵀ, softmax, p·v) is recomputed in the backward pass; the projections' outputs are kept
@@ -195,7 +199,8 @@ def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
     ``grads_only`` the same step stopped before the optimizer: ``-> (loss, grads)``."""
 
     loss_fn = make_loss(cfg)
-
+    if fp8_matmuls(cfg):
+        return fp8_train_step(loss_fn, lr=lr, grads_only=grads_only)
     # a pipeline's micro-batches are its own (scenarios.transformer.pipeline), not gradient accumulation
     k = 1 if pipeline.pipelined(cfg) else int(cfg.get("microbatches", 1))
     return train_step(loss_fn, lr=lr, grads_only=grads_only, microbatches=k)

@@ -50,9 +50,13 @@ layers_as      unrolled|loop (unrolled)    loop: the layers are one ``lax.scan``
                                            ``params/layers/...`` (each leaf stacked on dim 0),
                                            as MaxText and PaLM-style code write it; the
                                            partitioner sees one layer (``core.loops``)
-precision      f32|bf16 (f32)              bf16: bf16 matmul inputs, activations, gradients;
+precision      f32|bf16|fp8 (f32)          bf16: bf16 matmul inputs, activations, gradients;
                                            float32 master weights, Adam state, norms, softmax
-                                           and loss (see ``scenarios.transformer.model``)
+                                           and loss (see ``scenarios.transformer.model``);
+                                           fp8: bf16 with the projections and MLP matrices as
+                                           FP8 matmuls, per-tensor delayed scaling as
+                                           Transformer Engine (``scenarios.fp8``; amax
+                                           histories in ``opt/fp8``; microbatches=1)
 mlp            gelu|relu|swiglu (gelu)     swiglu has w_gate, w_up [d, f] and w_down [f, d]
 block          serial|parallel (serial)    parallel: PaLM's attention and MLP side by side
 tied           0|1 (0)                     1: the unembedding is embed/tokens^T
@@ -125,18 +129,20 @@ import math
 import numpy as np
 
 from partir_emu.errors import ScenarioError
+from scenarios import fp8
 from scenarios.common import Config, ParamKind, Scenario
 from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strategies
+from scenarios.training import adam_init
 from scenarios.transformer import model as transformer_model
-from scenarios.transformer import pipeline
+from scenarios.transformer import pipeline, ring_attention
 
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
               "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as",
-              *pipeline.NAMES)
+              *pipeline.NAMES, *ring_attention.NAMES)
 CHOICES: dict[str, tuple[str, ...]] = {
     "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots", "op"),
-    "precision": ("f32", "bf16"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
-    "norm": ("layernorm", "rmsnorm"), "bias": ("mlp", "0", "1"), "attention": ("naive", "flash"),
+    "precision": ("f32", "bf16", "fp8"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
+    "norm": ("layernorm", "rmsnorm"), "bias": ("mlp", "0", "1"), "attention": ("naive", "flash", "ring"),
 }
 FLAG_NAMES = ("tied",)
 # the original model; head_dim and kv_heads are derived (complete_config)
@@ -319,7 +325,9 @@ PARAM_KINDS = param_kinds(None)
 
 
 def _check_config(cfg: Config) -> None:
+    fp8.check_config(cfg)
     pipeline.check(cfg)
+    ring_attention.check(cfg)
     if cfg["microbatches"] < 1 or cfg["batch"] % cfg["microbatches"]:
         raise ScenarioError(f"transformer: microbatches={cfg['microbatches']} does not divide batch={cfg['batch']}; "
                             "gradient accumulation needs equal micro-batches (set batch to a multiple of it)")
@@ -332,6 +340,14 @@ def _check_mp(cfg: Config, model_size: int) -> None:
     if cfg["heads"] % model_size:
         raise ScenarioError(f"strategy with 'mp': heads={cfg['heads']} is not divisible by the 'model' axis "
                             f"(size {model_size}); Megatron attention shards whole heads")
+
+
+def _make_state(cfg: Config, params: dict, rng: np.random.Generator) -> dict:
+    """Adam's state, and with ``precision=fp8`` the amax histories (zeros: TE's initial state)."""
+    state = adam_init(params)
+    if fp8.fp8_matmuls(cfg):
+        state[fp8.META] = fp8.initial_meta(param_shapes(cfg))
+    return state
 
 
 SCENARIO = Scenario(
@@ -355,6 +371,8 @@ SCENARIO = Scenario(
     choices=CHOICES,
     complete_config=complete_config,
     param_kinds_for=param_kinds,
+    state_shapes=lambda cfg: fp8.state_layout(cfg, param_shapes(cfg)),
+    make_state=_make_state,
 )
 
 __all__ = ["SCENARIO", "PRESETS", "SIZE_NAMES", "CHOICES", "DEFAULTS", "complete_config", "param_count",

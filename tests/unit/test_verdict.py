@@ -6,7 +6,7 @@ import pytest
 
 from partir_emu.core.ir import Eqn, Program, Var
 from partir_emu.errors import EmulationError
-from partir_emu.runtime.verdict import judge, reduction_length
+from partir_emu.runtime.verdict import compute_precision, judge, reduction_length
 
 
 def _rounded(x64: np.ndarray, rng: np.random.Generator, rel: float = 2.0 ** -24) -> np.ndarray:
@@ -73,9 +73,10 @@ def test_missing_all_reduce_fails_far_above_the_bound(rng):
 
 def test_low_precision_leaves_out_one_flip_of_a_small_tensor_but_not_of_a_loss(rng):
     """bfloat16: the largest ceil(n/256) elements of the excess are left out (a flipped element of
-    a 16-element bias), never more than an eighth of the output (a loss is checked whole)."""
+    a 16-element bias), never more than an eighth of the output (a loss is checked whole); n counts
+    the elements rounding moves in a correct run (jax.jit's bias is off float64 at each, like a real run's)."""
     ref = np.zeros(16)
-    bias = ref.astype(np.float32)
+    bias = (ref + rng.standard_normal(16) * 1e-9).astype(np.float32)
     flip = bias.copy()
     flip[3] = 2e-3
     assert judge([flip], [bias], [ref], ["1/b"], 16, precision="bfloat16").verified
@@ -187,3 +188,36 @@ def test_subnormal_values_flushed_by_one_run_and_kept_by_another_verify():
     # above the floor, a float32 value that should be 1e-30 and is 1e-29 is wrong
     big = np.full(16, 1e-30)
     assert not judge([np.full(16, np.float32(1e-29))], [big.astype(np.float32)], [big], ["x"], 32).verified
+
+
+def test_elements_no_correct_run_moves_are_never_left_out():
+    """An FP8 amax history: one new amax in front of entries every run copies exactly. The trimming
+    of low precision counts only moved elements, so a wrong amax is not left out as a "flip" (it
+    was, when ceil(n/256) = 4 of its 1024 elements were trimmed)."""
+    ref = np.zeros(1024)
+    ref[0], ref[1:3] = 0.5, (0.25, 0.125)
+    jit = ref.astype(np.float32)
+    jit[0] = np.float32(0.5 * (1 + 2 ** -9))          # a bfloat16 amax rounds
+    ours = jit.copy()
+    assert judge([ours], [jit], [ref], ["2/fp8/w/x"], 16, precision="bfloat16").verified
+    ours[0] = np.float32(0.9)                         # an amax reduced with a sum instead of a max
+    v = judge([ours], [jit], [ref], ["2/fp8/w/x"], 16, precision="bfloat16")
+    assert not v.verified and v.worst.over > 10, v.summary()
+
+
+def test_fp8_counts_as_a_precision_only_where_the_program_computes_in_it():
+    """Quantising to FP8 and multiplying FP8 operands into a float32 accumulator leave the program's
+    precision at its other floats (the reference repeats the quantiser); a sum produced in FP8 makes
+    it FP8 (docs/verdict.md, "FP8")."""
+    x, w = Var(0, (8, 16), "float32"), Var(1, (16, 4), "float32")
+    xq, wq = Var(2, (8, 16), "float8_e4m3fn"), Var(3, (16, 4), "float8_e4m3fn")
+    y = Var(4, (8, 4), "float32")
+    dims = {"dimension_numbers": (((1,), (0,)), ((), ()))}
+    quantised = (Eqn("convert_element_type", (x,), (xq,), {"new_dtype": "float8_e4m3fn"}),
+                 Eqn("convert_element_type", (w,), (wq,), {"new_dtype": "float8_e4m3fn"}),
+                 Eqn("dot_general", (xq, wq), (y,), {**dims, "preferred_element_type": "float32"}))
+    prog = Program((x, w), ("x", "w"), quantised, (y,), ("y",))
+    assert compute_precision(prog) == "float32"
+    y8 = Var(5, (8, 4), "float8_e5m2")
+    summed = quantised[:2] + (Eqn("dot_general", (xq, wq), (y8,), {**dims, "preferred_element_type": "float8_e5m2"}),)
+    assert compute_precision(Program((x, w), ("x", "w"), summed, (y8,), ("y",))) == "float8_e5m2"
