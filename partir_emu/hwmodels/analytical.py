@@ -46,7 +46,14 @@ from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.bounds import StepBound
-from partir_emu.hwmodels.compute.program import LoopCosts, ProgramAnalysis, ProgramCosts, analyze, compute_times
+from partir_emu.hwmodels.compute.program import (
+    LoopCosts,
+    ProgramAnalysis,
+    ProgramCosts,
+    analyze,
+    compute_times,
+    has_fp8_matmuls,
+)
 from partir_emu.hwmodels.machine.links import (
     FaultError,
     check_stragglers,
@@ -271,7 +278,15 @@ class Analyzer:
             hfu=tot.dot_flops / peak_s if peak_s > 0 else 0.0,
             mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
             fusion=tot.fusion, collectives=CollectiveRows(pr), faults=faults, comm_streams=int(comm_streams),
-            stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes))
+            stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes), notes=_notes(pr, spec))
+
+
+def _notes(pr: Priced, spec: HardwareSpec) -> tuple[str, ...]:
+    """What the report says about how it priced the program: FP8 matmuls on a chip without FP8 units."""
+    if spec.flops_fp8_per_s is None and has_fp8_matmuls(pr.analysis.costs, spec):
+        return (f"{spec.name} has no FP8 matrix units (its spec gives no flops_fp8_per_s): the FP8 matmuls are "
+                f"priced at its bf16 rate, as XLA converts their operands to a type the chip multiplies",)
+    return ()
 
 
 def _times_bytes(entry: ProgramAnalysis, spec: HardwareSpec) -> bytes:

@@ -64,6 +64,7 @@ class SimReport:
     comm_streams: int = 1           # collectives run at once with overlap
     stack: str = "xla"              # the software stack priced (hwmodels.compute.stack)
     needed_bytes: float = 0.0       # what the peak needs with the stack's allocator and reserved memory
+    notes: tuple[str, ...] = ()     # how the pricing departs from the program (FP8 matmuls on a chip without FP8)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
@@ -72,6 +73,7 @@ class SimReport:
             "fits", "memory", "peak_at", "hfu", "mfu", "fusion", "by_op_kind", "by_prim", "by_collective", "by_axes",
             "comm_streams")}
         d["faults"] = list(self.faults)
+        d["notes"] = list(self.notes)
         d["collectives"] = [r.to_json() for r in self.collectives]
         return d
 
@@ -84,6 +86,7 @@ class SimReport:
         lines = [f"{self.spec} | {self.topology}",
                  f"placement: {self.placement}",
                  *([f"faults: {'; '.join(self.faults)}"] if self.faults else []),
+                 *(f"note: {n}" for n in self.notes),
                  f"step {_t(self.step_s)}  = compute {_t(self.compute_s)} + comm {_t(self.comm_s)}"
                  + (f" (overlap on, {self.comm_streams} comm stream{'s' if self.comm_streams > 1 else ''}, "
                     f"exposed comm {_t(self.exposed_comm_s)})" if self.overlap else ""),

@@ -20,7 +20,7 @@ import numpy as np
 
 from partir_emu.core.ir import Program, Var
 from partir_emu.hwmodels.compute.costs import op_kind
-from partir_emu.hwmodels.machine.specs import MATMUL_16BIT_DTYPES
+from partir_emu.hwmodels.machine.specs import FP8_DTYPES, MATMUL_16BIT_DTYPES
 from partir_emu.primitives.conv import conv_gemm_dims
 from partir_emu.primitives.costs import buffer_bytes
 
@@ -69,6 +69,7 @@ class FusionPlan:
     dot_group: np.ndarray      # per dot: its group
     dot_flops: np.ndarray
     dot_f32: np.ndarray        # per dot: priced at the f32 matrix rate (else the 16-bit one)
+    dot_fp8: np.ndarray        # per dot: both operands FP8, priced at the FP8 rate (HardwareSpec.fp8_matmul_rate)
     dot_dims: np.ndarray       # per dot: (batch, M, N, K), shape (dots, 4)
     causal_seq: np.ndarray     # per group: the score length s of a hand-fused flash-attention kernel, else 0
     flash_head_dim: np.ndarray  # per group: the head width d of that kernel's dots (s×d operands), else 0
@@ -171,7 +172,10 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
             rep[g] = i
     dots = idx[is_dot].tolist()
     dims = np.array([dot_dims(eqns[i]) for i in dots], dtype=np.float64).reshape(-1, 4)
-    f32 = np.array([eqns[i].inputs[0].dtype not in MATMUL_16BIT_DTYPES for i in dots], dtype=bool)
+    fp8 = np.array([eqns[i].inputs[0].dtype in FP8_DTYPES and eqns[i].inputs[1].dtype in FP8_DTYPES for i in dots],
+                   dtype=bool)
+    narrow = MATMUL_16BIT_DTYPES | FP8_DTYPES       # (an FP8 x bf16 product runs at the bf16 rate)
+    f32 = np.array([eqns[i].inputs[0].dtype not in narrow for i in dots], dtype=bool)
     dot_flops = fl[is_dot]
     work = (gbytes > 0) | (np.bincount(ga, weights=fl, minlength=G) > 0)
     hand = len({g for g, i in zip(ga.tolist(), idx.tolist()) if tags[i]})
@@ -183,4 +187,4 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
             causal[g] = max(causal[g], s)
             head[g] = max(head[g], int(head_width(row[1], row[2], row[3], s)))
     return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
-                      ga[is_dot], dot_flops, f32, dims, causal, head)
+                      ga[is_dot], dot_flops, f32, fp8.reshape(-1), dims, causal, head)

@@ -1,7 +1,10 @@
 """The time of each fused kernel (:mod:`.fusion`'s groups) on one chip.
 
 Pricing (:func:`group_times`, vectorised per spec): ``max(matmul time + vector time, bytes / achieved
-HBM bw) + launch overhead``; matmul time at the dot dtype's peak times :func:`.efficiency.matmul_efficiency`,
+HBM bw) + launch overhead``; matmul time at the dot dtype's peak (f32, 16-bit, or FP8 when both operands
+are FP8: :attr:`~partir_emu.hwmodels.machine.specs.HardwareSpec.fp8_matmul_rate`) times
+:func:`.efficiency.matmul_efficiency` (the same curve for every dtype: the one measured sweep per chip
+is bf16's, so an FP8 matmul is assumed to reach the fraction of its peak a bf16 one of its shape does),
 vector time at ``vector_flops_per_s · vector_fraction``, HBM bandwidth times
 :func:`.efficiency.hbm_fraction` of the group's bytes. Matmul and vector work are summed (conservative: an
 epilogue is small next to its dot). A hand-fused flash-attention kernel's FLOPs are scaled by the share
@@ -27,7 +30,8 @@ def group_times(plan: FusionPlan, spec: HardwareSpec) -> np.ndarray:
     if len(plan.dot_flops):
         d = plan.dot_dims
         e = matmul_efficiency(eff, d[:, 0], d[:, 1], d[:, 2], d[:, 3])
-        rate = np.where(plan.dot_f32, spec.flops_f32_per_s, spec.flops_bf16_per_s)
+        rate = np.where(plan.dot_fp8, spec.fp8_matmul_rate,
+                        np.where(plan.dot_f32, spec.flops_f32_per_s, spec.flops_bf16_per_s))
         mm = np.bincount(plan.dot_group, weights=plan.dot_flops / (rate * e), minlength=G)
     else:
         mm = np.zeros(G)

@@ -168,3 +168,9 @@ def compute_times(pc: ProgramCosts, spec: HardwareSpec) -> np.ndarray:
     on its other equations). A spec without a ``[compiler]`` table prices every equation alone. A loop
     equation takes 0 here: its time is its body's (:func:`partir_emu.hwmodels.pricing.price`)."""
     return eqn_times(pc.fusion.plan(spec.kernels), spec)
+
+
+def has_fp8_matmuls(pc: ProgramCosts, spec: HardwareSpec) -> bool:
+    """Whether the program (loop bodies included) has an FP8 x FP8 matmul, as ``spec``'s compiler groups it."""
+    return bool(pc.fusion.plan(spec.kernels).dot_fp8.any()) or any(has_fp8_matmuls(lc.body.costs, spec)
+                                                                   for lc in pc.loops)

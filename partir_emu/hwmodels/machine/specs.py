@@ -4,7 +4,10 @@ A spec file has a top-level ``name``, ``kind`` (``"tpu"`` or ``"gpu"``) and
 ``description``, then tables:
 
 ``[chip]``       ``flops_bf16_per_s``, ``flops_f32_per_s``, ``hbm_bytes``, ``hbm_bw_bytes_per_s``
-                 (optional ``vector_flops_per_s``: rate of non-matmul ops; default ``flops_f32_per_s``)
+                 (optional ``vector_flops_per_s``: rate of non-matmul ops; default ``flops_f32_per_s``;
+                 optional ``flops_fp8_per_s``: dense rate of FP8 x FP8 matmuls, on chips with FP8
+                 matrix units; without it an FP8 matmul is priced at ``flops_bf16_per_s`` and the
+                 report says so: :attr:`HardwareSpec.fp8_matmul_rate`)
 ``[ici]``        TPU only: ``link_bw_bytes_per_s`` (one way, per link), ``link_latency_s`` (per hop),
                  ``links_per_chip``
 ``[nvlink]``     GPU only: ``nvlink_bw_bytes_per_s`` (one way, per GPU), ``nvlink_latency_s`` (per hop)
@@ -54,7 +57,8 @@ ENV_VAR = "PARTIR_EMU_HW_PATH"
 # schema: table -> field -> (type, required). Types: float (> 0), int (> 0), str, ints (list of int > 0),
 # or a tuple of allowed strings.
 _CHIP = {"flops_bf16_per_s": ("float", True), "flops_f32_per_s": ("float", True), "hbm_bytes": ("int", True),
-         "hbm_bw_bytes_per_s": ("float", True), "vector_flops_per_s": ("float", False)}
+         "hbm_bw_bytes_per_s": ("float", True), "vector_flops_per_s": ("float", False),
+         "flops_fp8_per_s": ("float", False)}
 _SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
     "tpu": {
         "chip": _CHIP,
@@ -169,6 +173,7 @@ class HardwareSpec:
     compiler: CompilerSpec = CompilerSpec()
     efficiency: EfficiencySpec = EfficiencySpec()
     stack: StackSpec = XLA                  # the software stack the chip runs (``with_stack``)
+    flops_fp8_per_s: float | None = None    # dense FP8 x FP8 matmul rate; None: the chip has no FP8 units
 
     def with_stack(self, stack: StackSpec) -> HardwareSpec:
         """This chip running ``stack`` (:mod:`partir_emu.hwmodels.compute.stack`)."""
@@ -186,14 +191,24 @@ class HardwareSpec:
         return max(0.0, (self.hbm_bytes - st.reserved_bytes) / (1.0 + st.allocator_overhead))
 
     def flops_per_s(self, dtype: str) -> float:
-        """Peak matrix rate for operands of ``dtype`` (16-bit floats and ints: bf16 rate; others: f32)."""
+        """Peak matrix rate for operands of ``dtype`` (16-bit floats and ints: bf16 rate; FP8: the FP8
+        rate, or bf16's on a chip without FP8 units; others: f32)."""
+        if dtype in FP8_DTYPES:
+            return self.fp8_matmul_rate
         return self.flops_bf16_per_s if dtype in MATMUL_16BIT_DTYPES else self.flops_f32_per_s
+
+    @property
+    def fp8_matmul_rate(self) -> float:
+        """What an FP8 x FP8 matmul is priced at: ``flops_fp8_per_s``, or on a chip without FP8 matrix
+        units the bf16 rate (XLA converts FP8 operands to a type the chip multiplies, as it does on CPU)."""
+        return self.flops_fp8_per_s if self.flops_fp8_per_s is not None else self.flops_bf16_per_s
 
     def to_json(self) -> dict:
         net = {k: (list(v) if isinstance(v, tuple) else dict(vars(v)) if isinstance(v, DcnSpec) else v)
                for k, v in vars(self.network).items()}
         return {"name": self.name, "kind": self.kind, "flops_bf16_per_s": self.flops_bf16_per_s,
-                "flops_f32_per_s": self.flops_f32_per_s, "vector_flops_per_s": self.vector_flops_per_s,
+                "flops_f32_per_s": self.flops_f32_per_s, "flops_fp8_per_s": self.flops_fp8_per_s,
+                "vector_flops_per_s": self.vector_flops_per_s,
                 "hbm_bytes": self.hbm_bytes, "hbm_bw_bytes_per_s": self.hbm_bw_bytes_per_s, "network": net,
                 "compiler": dict(vars(self.compiler)),
                 "efficiency": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.efficiency).items()},
@@ -205,6 +220,7 @@ class HardwareSpec:
 
 
 MATMUL_16BIT_DTYPES = frozenset({"bfloat16", "float16", "int8", "uint8", "int16", "uint16"})
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})     # the formats of FP8 matrix units (E4M3, E5M2)
 
 
 # -- finding files ---------------------------------------------------------------------------------
@@ -361,4 +377,5 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
                         chip["hbm_bw_bytes_per_s"], chip.get("vector_flops_per_s", chip["flops_f32_per_s"]), net,
                         top.get("description", ""), where, sources,
                         compiler=parse_compiler(data.get("compiler"), where),
-                        efficiency=parse_efficiency(data.get("efficiency"), where))
+                        efficiency=parse_efficiency(data.get("efficiency"), where),
+                        flops_fp8_per_s=chip.get("flops_fp8_per_s"))
