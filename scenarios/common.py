@@ -59,6 +59,7 @@ class ParamKind:
     mp_dim: int | None = None
     stacked: bool = False
     emb_dim: int | None = None      # the vocabulary dim of an embedding/unembedding table (``emb``)
+    ep_dim: int | None = None       # the expert dim of a mixture of experts' stacked weights (``ep``)
 
 
 # (cfg or None for the static defaults, size of the model axis or 1) -> the kinds of that config
@@ -86,6 +87,9 @@ class Scenario:
     check_config: Callable[[Config], None] | None = None
     default_preset: str = "tiny"
     flag_names: tuple[str, ...] = ()            # sizes that are 0/1 switches (e.g. remat)
+    float_names: tuple[str, ...] = ()           # sizes that are positive numbers (e.g. capacity_factor=1.25)
+    # strategies built on request that ``list`` shows beside the listed ones, with when they apply
+    strategy_notes: Mapping[str, str] = field(default_factory=dict)
     choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # string sizes -> allowed values
     # fills sizes whose default depends on others (after overrides, before check_config)
     complete_config: Callable[[Config], Config] | None = None
@@ -254,6 +258,9 @@ def resolve_size(scenario: Scenario | str, preset: str, overrides: str | Mapping
                                     f"got {raw!r}")
             cfg[name] = value
             continue
+        if name in sc.float_names:
+            cfg[name] = _as_positive_float(sc, name, raw)
+            continue
         value = _as_positive_int(raw)
         if value is None:
             raise ScenarioError(f"size {name!r} of scenario {sc.name!r} must be a positive integer, got {raw!r}; "
@@ -277,6 +284,20 @@ def _as_choice(sc: Scenario, name: str, raw: Any) -> str:
     if value not in allowed:
         raise ScenarioError(f"{name!r} of scenario {sc.name!r} must be one of {'|'.join(allowed)}, got {raw!r}; "
                             f"write e.g. {name}={allowed[0]}")
+    return value
+
+
+def _as_positive_float(sc: Scenario, name: str, raw: Any) -> float:
+    """A number size (``capacity_factor=1.25``): finite, above 0 and at most :data:`MAX_SIZE`."""
+    text = str(raw).strip() if isinstance(raw, (str, int, float, np.integer, np.floating)) \
+        and not isinstance(raw, bool) else ""
+    try:
+        value = float(text) if 0 < len(text) <= 24 else math.nan
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= MAX_SIZE):      # NaN fails too
+        raise ScenarioError(f"{name!r} of scenario {sc.name!r} must be a positive number, got {raw!r}; "
+                            f"write e.g. {name}=1.25")
     return value
 
 

@@ -1,4 +1,4 @@
-"""Named strategies: ``bp``, ``mp``, ``emb``, ``z2``, ``z3`` and ``auto``, joined by ``+``, built from a
+"""Named strategies: ``bp``, ``mp``, ``emb``, ``ep``, ``z2``, ``z3`` and ``auto``, joined by ``+``, built from a
 scenario's parameter kinds (:class:`~scenarios.common.ParamKind`) and written against input names
 with shell globs (see :mod:`scenarios.common`).
 
@@ -17,7 +17,11 @@ from partir_emu.errors import ScenarioError
 from scenarios.common import MODEL_AXIS, Config, KindsFn, ParamKind, Strategy
 from scenarios.stage_context import CONTEXT_AXIS, STAGE_AXIS, context_tactic, stage_tactic
 
-PARTS = ("bp", "mp", "sp", "emb", "pp", "cp", "z2", "z3", "auto")     # what a strategy name is made of, joined by '+'
+PARTS = ("bp", "mp", "sp", "emb", "ep", "pp", "cp", "z2", "z3", "auto")     # what a strategy name is made of, joined by '+'
+EXPERT_AXIS = "expert"
+# where ``ep`` stops: the tags a mixture-of-experts layer puts on its dispatched tokens and on its
+# experts' outputs (scenarios.transformer.moe); the lowering reshards there (all_to_all)
+EXPERT_TAGS = ("moe/*",)
 
 
 def data_axes(mesh: Mesh) -> list[str]:
@@ -67,9 +71,9 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     """The tactics of strategy ``name``: parts ``bp``, ``mp``, ``sp``, ``emb``, ``z2``, ``z3`` joined by
     ``+`` (``z2@AXES``/``z3@AXES``: ZeRO over those data axes only, replicated over the others).
 
-    Tactic order: bp (one per data axis), then mp, emb and sp (on ``model``), then z2/z3
-    (one per data axis).
+    Tactic order: ep (on ``expert``), bp, mp, emb, sp (on ``model``), z2/z3 (bp, z2, z3: one per data axis).
 
+    - ``ep``: GShard's expert parallelism on the ``expert`` axis (:func:`_expert_tactic`).
     - ``pp``, ``cp`` (after sp): :mod:`scenarios.stage_context` (a pipeline's stacked layer weights on
       ``stage``; the batch's sequence on ``context``).
     - ``bp``: ``batch/*`` dim 0 on each data axis.
@@ -80,10 +84,9 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
       vocab-parallel logits with a sharded softmax cross-entropy (a pending max and sums of
       [batch, seq] values), so no collective carries [batch, seq, vocab] or [vocab, d_model].
     - ``sp``: Megatron's sequence parallelism: ``batch/*`` dim ``seq_dim`` (the sequence; a scenario
-      without one refuses sp) on ``model``, after
-      mp, so what mp leaves replicated over ``model`` (norms, residual stream, loss) is split by
-      sequence; the column-parallel matmuls all-gather their input over ``model`` and the
-      row-parallel outputs are reduce-scattered into it (no all-reduce).
+      without one refuses sp) on ``model``, after mp, so what mp leaves replicated over ``model``
+      (norms, residual stream, loss) is split by sequence; the column-parallel matmuls all-gather their
+      input over ``model`` and the row-parallel outputs are reduce-scattered into it (no all-reduce).
     - ``z3``: every parameter and its ``mu``/``nu`` on each data axis; ``z2``:
       only ``mu``/``nu``. Default dim 0, except a matrix already sharded on
       ``model`` uses its other dim (a 1-D vector stacks the data axis after
@@ -99,10 +102,9 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     unknown = [p for p in parts if p not in PARTS]
     if unknown or len(set(parts)) != len(parts) or ("z2" in parts and "z3" in parts) \
             or ("auto" in parts and ("mp" in parts or "emb" in parts)):
-        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, sp and emb (or auto), pp, cp, z2, z3 "
+        raise ScenarioError(f"strategy {name!r} is not a combination of bp, mp, sp, ep and emb (or auto), pp, cp, z2, z3 "
                             f"(z2@AXES / z3@AXES for ZeRO over some data axes), joined by '+', e.g. bp+mp+sp+z3")
-    use_mp, use_emb = "mp" in parts, "emb" in parts
-    use_auto = "auto" in parts
+    use_mp, use_emb, use_ep, use_auto = ("mp" in parts, "emb" in parts, "ep" in parts, "auto" in parts)
     zero = "z3" if "z3" in parts else "z2" if "z2" in parts else None
     use_bp = "bp" in parts or zero is not None          # ZeRO is data parallelism with sharded state
     check_mesh(mesh, name, need_data=use_bp, need_model=use_mp or use_emb or use_auto or "sp" in parts)
@@ -110,7 +112,9 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
     if callable(kinds):
         kinds = tuple(kinds(cfg, mesh.axis_size(MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1))
     shapes = _kind_shapes(param_shapes(cfg), kinds) if cfg is not None else None
-    tactics: list[ManualPartition] = []
+    # how many devices already tile each dim of each kind
+    tiled: dict[str, dict[int, int]] = {k.pattern: {} for k in kinds}
+    tactics = [_expert_tactic(name, kinds, mesh, shapes, tiled)] if use_ep else []
 
     if use_bp:
         if cfg is not None:
@@ -118,8 +122,6 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
         for ax in daxes:
             tactics.append(ManualPartition({p: 0 for p in batch_patterns}, axis=ax, name=f"bp:{ax}"))
 
-    # how many devices already tile each dim of each kind
-    tiled: dict[str, dict[int, int]] = {k.pattern: {} for k in kinds}
     if use_mp:
         if cfg is not None and check_mp is not None:
             check_mp(cfg, mesh.axis_size(MODEL_AXIS))
@@ -139,8 +141,39 @@ def build_strategy(name: str, mesh: Mesh, cfg: Config | None, *, kinds: Sequence
                                           hardware="tpu-v4"))
 
     if zero is not None:
-        tactics += _zero_tactics(zero, mesh, kinds, shapes, tiled, use_mp, use_emb, zero_axes)
+        tactics += _zero_tactics(zero, mesh, kinds, shapes, tiled, use_mp, use_emb, zero_axes, use_ep)
     return tactics
+
+
+def _expert_tactic(name: str, kinds: Sequence[ParamKind], mesh: Mesh, shapes: dict | None,
+                   tiled: dict[str, dict[int, int]]) -> ManualPartition:
+    """``ep``, GShard's expert parallelism: each kind with an ``ep_dim`` (a mixture of experts' weights
+    stacked [E, ...]) tiled on E over the ``expert`` axis, its ``mu``/``nu`` alike; ``tiled`` records it.
+
+    The tactic stops at the MoE tags (:data:`EXPERT_TAGS`): the dispatched tokens [E, G, C, d] are tiled
+    on E on the experts' side and keep the batch's tiling on the tokens' side, and the lowering joins
+    the two with one all_to_all each way (dispatch, combine; the backward pass likewise). ``expert`` is
+    also a data axis (the batch is split over it: GShard lays the experts over the data-parallel
+    devices); ep comes first, so that bp on ``expert`` meets the experts' tiling at the tags rather
+    than reaching the experts first (which would gather their weights)."""
+    if EXPERT_AXIS not in mesh.axis_names:
+        raise ScenarioError(f"strategy {name!r} needs mesh axis {EXPERT_AXIS!r}, which {mesh} lacks; add it, e.g. "
+                            f"--mesh batch=2,{EXPERT_AXIS}=2 (the batch is split over it too)")
+    size = mesh.axis_size(EXPERT_AXIS)
+    inputs: dict[str, int] = {}
+    for k in kinds:
+        if k.ep_dim is None:
+            continue
+        bad = [s for s in (shapes[k.pattern] if shapes else []) if s[k.ep_dim] % size]
+        if bad:
+            raise ScenarioError(f"strategy {name!r}: the {bad[0][k.ep_dim]} experts of params/{k.pattern} are not "
+                                f"divisible by axis {EXPERT_AXIS!r} of size {size}; change --set experts=... or the mesh")
+        inputs[f"params/{k.pattern}"] = inputs[f"opt/*/{k.pattern}"] = k.ep_dim
+        tiled[k.pattern][k.ep_dim] = size
+    if not inputs:
+        raise ScenarioError(f"strategy {name!r}: this model has no experts for 'ep' to shard; give it a mixture of "
+                            f"experts (transformer: --set experts=8) or drop ep")
+    return ManualPartition(inputs, axis=EXPERT_AXIS, name=f"ep:{EXPERT_AXIS}", stop_at=EXPERT_TAGS)
 
 
 def _check_batch(name: str, mesh: Mesh, daxes: list[str], batch: int, microbatches: int) -> None:
@@ -190,16 +223,17 @@ def _zero_axes(name: str, mesh: Mesh) -> tuple[list[str], list[str] | None]:
 
 def _zero_tactics(zero: str, mesh: Mesh, kinds: Sequence[ParamKind], shapes: dict | None,
                   tiled: dict[str, dict[int, int]], use_mp: bool, use_emb: bool,
-                  axes: Sequence[str] | None = None) -> list[ManualPartition]:
+                  axes: Sequence[str] | None = None, use_ep: bool = False) -> list[ManualPartition]:
     """ZeRO-2/3's tactics, one per data axis (or per axis of ``axes``, see :func:`build_strategy`);
-    ``tiled`` is updated."""
+    ``tiled`` is updated. With ``ep`` the experts' weights are already split over ``expert``: ZeRO
+    leaves them alone on that axis."""
     tactics: list[ManualPartition] = []
     daxes = [a for a in data_axes(mesh) if axes is None or a in axes]
     for ax in daxes:
         size = mesh.axis_size(ax)
         inputs = {}
         for k in kinds:
-            if k.rank == 0:
+            if k.rank == 0 or (use_ep and ax == EXPERT_AXIS and k.ep_dim is not None):
                 continue
             d = _zero_dim(k, _model_dim(k, use_mp, use_emb), size, tiled[k.pattern],
                           shapes[k.pattern] if shapes else None)

@@ -22,6 +22,7 @@ from scenarios.precision import as_dtype, compute_dtype, wide
 from scenarios.training import op_scope, train_step
 from scenarios.transformer import pipeline, ring_attention
 from scenarios.transformer.attention import ATTENTION, SAVED  # SAVED: what remat=op keeps
+from scenarios.transformer.moe import add_aux, moe_mlp, split_aux
 
 EPS = 1e-5
 
@@ -123,20 +124,35 @@ def mlp(x, p: dict, kind: str, sac: EverySecondDot | None = None):
     return dense(act(dense(x, p, "w_in", "b_in", sac)), p, "w_out", "b_out", sac)
 
 
+def feed_forward(x, p: dict, cfg: Config, sac: EverySecondDot | None = None):
+    """``(y, aux)``: the layer's MLP of ``x``, and for a mixture-of-experts layer (``p`` has ``moe``)
+    its auxiliary load-balancing loss (:mod:`scenarios.transformer.moe`), else None."""
+    if "moe" in p:
+        return moe_mlp(x, p["moe"], cfg, {"gelu": gelu, "relu": relu, "swiglu": silu}[cfg["mlp"]])
+    return mlp(x, p["mlp"], cfg["mlp"], sac), None
+
+
+def _residual(x, ffn):
+    """``x + y`` of ``ffn = (y, aux)``, with the aux loss beside it when there is one."""
+    y, aux = ffn
+    return x + y if aux is None else (x + y, aux)
+
+
 def make_block(cfg: Config):
-    """One layer ``(x, params/layer_i) -> x``: serial (pre-norm GPT) or parallel (PaLM)."""
-    dtype, nk, mk = compute_dtype(cfg), cfg["norm"], cfg["mlp"]
+    """One layer ``(x, params/layer_i) -> x``: serial (pre-norm GPT) or parallel (PaLM); a MoE layer
+    returns ``(x, its aux loss)``."""
+    dtype, nk = compute_dtype(cfg), cfg["norm"]
     op_sac = str(cfg.get("remat", 0)) == "op"
 
     def serial(x, p):
         sac = EverySecondDot() if op_sac else None
         x = x + attention(norm(x, p["ln1"], nk, dtype), p["attn"], cfg, sac)
-        return x + mlp(norm(x, p["ln2"], nk, dtype), p["mlp"], mk, sac)
+        return _residual(x, feed_forward(norm(x, p["ln2"], nk, dtype), p, cfg, sac))
 
     def parallel(x, p):
         sac = EverySecondDot() if op_sac else None
         h = norm(x, p["ln1"], nk, dtype)
-        return x + attention(h, p["attn"], cfg, sac) + mlp(h, p["mlp"], mk, sac)
+        return _residual(x + attention(h, p["attn"], cfg, sac), feed_forward(h, p, cfg, sac))
 
     return parallel if cfg["block"] == "parallel" else serial
 
@@ -162,7 +178,8 @@ def remat_policy(cfg: Config):
 
 
 def make_loss(cfg: Config):
-    """``(params, batch) -> mean next-token cross-entropy`` (float32)."""
+    """``(params, batch) -> mean next-token cross-entropy`` (float32), plus the MoE layers' weighted
+    auxiliary losses when there are any."""
     import jax
     import jax.numpy as jnp
 
@@ -177,19 +194,22 @@ def make_loss(cfg: Config):
         # gather from the float32 table, then cast: the embedding gradient accumulates in float32
         x = as_dtype(emb["tokens"][batch["tokens"]], dtype) + as_dtype(emb["pos"], dtype)
         if pipeline.pipelined(cfg):        # the layers as P stages (scenarios.transformer.pipeline)
-            x = pipeline.run_layers(cfg, make_block(cfg), params["layers"], x, policy)
+            x, auxes = pipeline.run_layers(cfg, make_block(cfg), params["layers"], x, policy), []
         elif cfg["layers_as"] == "loop":
-            x, _ = jax.lax.scan(lambda h, p: (block(h, p), None), x, params["layers"])
+            x, auxes = jax.lax.scan(lambda h, p: split_aux(block(h, p)), x, params["layers"])
         else:
+            auxes = []
             for i in range(cfg["layers"]):
-                x = block(x, params[f"layer_{i}"])
+                x, aux = split_aux(block(x, params[f"layer_{i}"]))
+                auxes.append(aux)
         h = norm(x, params["final_ln"], cfg["norm"], dtype)
         unembed = as_dtype(emb["tokens"], dtype).T if cfg["tied"] else as_dtype(params["unembed"]["w"], dtype)
         logits = h @ unembed
         with op_scope("cross_entropy"):
             logp = jax.nn.log_softmax(wide(logits), axis=-1)
             onehot = jax.nn.one_hot(batch["targets"], cfg["vocab"], dtype=logp.dtype)
-            return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+            ce = -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+        return add_aux(ce, auxes)
 
     return loss_fn
 
@@ -206,4 +226,5 @@ def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
     return train_step(loss_fn, lr=lr, grads_only=grads_only, microbatches=k)
 
 
-__all__ = ["make_step", "make_loss", "make_block", "norm", "dense", "gelu", "relu", "silu", "compute_dtype"]
+__all__ = ["make_step", "make_loss", "make_block", "feed_forward", "norm", "dense", "gelu", "relu", "silu",
+           "compute_dtype"]

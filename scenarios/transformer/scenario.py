@@ -68,6 +68,9 @@ bias           mlp|0|1 (mlp)               biases in: mlp = the MLP only (the mo
                                            norm biases follow ``norm``
 attention      naive|flash (naive)         flash: the flash-attention core, one fused kernel
                                            (``scenarios.transformer.attention``); same values as naive
+experts        int (none: dense)           mixture of experts: E experts, ``top_k`` (2) a token,
+                                           in every ``moe_every``-th (1) layer; ``capacity_factor``
+                                           (1.25), ``moe_group`` (seq): ``scenarios.transformer.moe``
 =============  ==========================  =====================================================
 
 The defaults reproduce the original model exactly. There is no key bias ``b_k`` (Megatron and
@@ -134,10 +137,10 @@ from scenarios.common import Config, ParamKind, Scenario
 from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strategies
 from scenarios.training import adam_init
 from scenarios.transformer import model as transformer_model
-from scenarios.transformer import pipeline, ring_attention
+from scenarios.transformer import moe, pipeline, ring_attention
 
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
-              "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as",
+              "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as", *moe.NAMES,
               *pipeline.NAMES, *ring_attention.NAMES)
 CHOICES: dict[str, tuple[str, ...]] = {
     "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots", "op"),
@@ -158,6 +161,7 @@ PRESETS: dict[str, Config] = {
                 remat="1", precision="bf16", attention="flash"),
     "t48": dict(DEFAULTS, batch=512, seq=2048, d_model=3072, heads=32, d_ff=12288, layers=48, vocab=50304,
                 remat="1", precision="bf16", attention="flash"),
+    "mixtral-8x7b": dict(DEFAULTS, **moe.MIXTRAL_8X7B),      # sizes and sources: scenarios.transformer.moe
 }
 
 
@@ -172,7 +176,7 @@ def complete_config(cfg: Config) -> Config:
                                 "change --set d_model=... or heads=..., or set head_dim=...")
         out["head_dim"] = out["d_model"] // out["heads"]
     out.setdefault("kv_heads", out["heads"])
-    return pipeline.complete(out)
+    return pipeline.complete(moe.complete(out))
 
 
 def _mlp_mats(cfg: Config) -> tuple[str, ...]:
@@ -203,10 +207,10 @@ def param_shapes(cfg: Config) -> dict:
         layer["ln2"] = ln()
     layer["mlp"] = dict(mlp)
     if cfg["layers_as"] == "loop":     # one tree, every leaf with the layers stacked on dim 0
-        shapes["layers"] = _stacked(layer, cfg["layers"])
+        shapes["layers"] = _stacked(moe.layer_tree(layer, cfg, 0), cfg["layers"])
     else:
         for i in range(cfg["layers"]):
-            shapes[f"layer_{i}"] = {k: dict(v) for k, v in layer.items()}
+            shapes[f"layer_{i}"] = {k: dict(v) for k, v in moe.layer_tree(layer, cfg, i).items()}
     shapes["final_ln"] = ln()
     if not cfg["tied"]:
         shapes["unembed"] = {"w": (d, v)}
@@ -232,7 +236,7 @@ def matmul_param_count(cfg: Config) -> int:
     cfg = complete_config(cfg)
     d, f, L = cfg["d_model"], cfg["d_ff"], cfg["layers"]
     a, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
-    return L * (2 * d * a + 2 * d * kv + len(_mlp_mats(cfg)) * d * f) + d * cfg["vocab"]
+    return L * (2 * d * a + 2 * d * kv + len(_mlp_mats(cfg)) * d * f) + d * cfg["vocab"] + moe.count_delta(cfg)[1]
 
 
 def param_count(cfg: Config) -> int:
@@ -244,7 +248,7 @@ def param_count(cfg: Config) -> int:
     norms = 2 if cfg["block"] == "serial" else 1
     biases = (a + kv + d if cfg["bias"] == "1" else 0) + (f * (m - 1) + d if cfg["bias"] != "0" else 0)
     layer = 2 * d * a + 2 * d * kv + m * d * f + biases + norms * per_norm
-    return v * d + s * d + L * layer + per_norm + (0 if cfg["tied"] else d * v)
+    return v * d + s * d + L * layer + per_norm + (0 if cfg["tied"] else d * v) + moe.count_delta(cfg)[0]
 
 
 def model_flops(cfg: Config) -> int:
@@ -271,7 +275,7 @@ def make_params(cfg: Config, rng: np.random.Generator) -> dict:
             return np.ones(shape, np.float32)
         if leaf.startswith("b") and len(shape) == 1:          # bias, b_in, b_q, ...
             return np.zeros(shape, np.float32)
-        std = 0.02 if path.startswith("embed") else 1.0 / math.sqrt(shape[0])
+        std = 0.02 if path.startswith("embed") else 1.0 / math.sqrt(shape[-2])    # fan-in ([E, d, f]: d)
         return (std * rng.standard_normal(shape)).astype(np.float32)
 
     def walk(tree: dict, prefix: str) -> dict:
@@ -296,16 +300,19 @@ def param_kinds(cfg: Config | None, model_size: int = 1) -> tuple[ParamKind, ...
     """The parameter kinds of ``cfg`` (``None``: the defaults) and what Megatron shards on a
     ``model`` axis of ``model_size``; key/value projections only when ``kv_heads`` divides."""
     c = complete_config(cfg) if cfg is not None else dict(DEFAULTS, heads=1, kv_heads=1)
-    shapes = param_shapes(dict(c, d_model=1, heads=1, head_dim=1, kv_heads=1, d_ff=1, layers=1, vocab=1, seq=1))
+    shapes = param_shapes(dict(c, d_model=1, heads=1, head_dim=1, kv_heads=1, d_ff=1, vocab=1, seq=1,
+                               layers=c.get("moe_every", 1)))     # with experts: a dense layer and a MoE one
     kv_dim = 1 if cfg is None or c["kv_heads"] % model_size == 0 else None
     mp = {"w_q": 1, "w_k": kv_dim, "w_v": kv_dim, "w_o": 0, "b_q": 0, "b_v": 0 if kv_dim else None,
           "w_in": 1, "b_in": 0, "w_out": 0, "w_gate": 1, "b_gate": 0, "w_up": 1, "b_up": 0, "w_down": 0}
     kinds = []
     loop = c["layers_as"] == "loop"
     for top, tree in shapes.items():
-        prefix = "layer_*" if top == "layer_0" else top
+        prefix = "layer_*" if top.startswith("layer_") else top
         for name, sub in tree.items():
-            if isinstance(sub, dict) and loop and top == "layers":    # stacked: dim 0 is the layer
+            if name == "moe":
+                kinds += moe.kinds(f"{prefix}/{name}", sub, stacked=loop)
+            elif isinstance(sub, dict) and loop and top == "layers":    # stacked: dim 0 is the layer
                 kinds += [ParamKind(f"{prefix}/{name}/{leaf}", len(shape),
                                     None if mp.get(leaf) is None else mp[leaf] + 1, stacked=True)
                           for leaf, shape in sub.items()]
@@ -314,7 +321,7 @@ def param_kinds(cfg: Config | None, model_size: int = 1) -> tuple[ParamKind, ...
                           for leaf, shape in sub.items()]
             else:
                 kinds.append(ParamKind(f"{prefix}/{name}", len(sub), None, emb_dim=_EMB_DIMS.get(f"{prefix}/{name}")))
-    return tuple(kinds)
+    return tuple(dict.fromkeys(kinds))      # each kind once (the layers share them)
 
 
 # the vocabulary dim of the tables the ``emb`` strategies shard (the unembedding's, or with
@@ -325,9 +332,10 @@ PARAM_KINDS = param_kinds(None)
 
 
 def _check_config(cfg: Config) -> None:
-    fp8.check_config(cfg)
     pipeline.check(cfg)
     ring_attention.check(cfg)
+    moe.check(cfg)
+    fp8.check_config(cfg)
     if cfg["microbatches"] < 1 or cfg["batch"] % cfg["microbatches"]:
         raise ScenarioError(f"transformer: microbatches={cfg['microbatches']} does not divide batch={cfg['batch']}; "
                             "gradient accumulation needs equal micro-batches (set batch to a multiple of it)")
@@ -355,7 +363,7 @@ SCENARIO = Scenario(
     description="decoder-only LM training step (causal attention, gelu/relu/swiglu MLP, Adam; --set options)",
     size_names=SIZE_NAMES,
     presets=PRESETS,
-    simulation_only=frozenset({"t32", "t48"}),
+    simulation_only=frozenset({"t32", "t48", "mixtral-8x7b"}),
     make_step=make_step,
     param_shapes=param_shapes,
     batch_shapes=batch_shapes,
@@ -368,6 +376,9 @@ SCENARIO = Scenario(
                                names=STRATEGY_NAMES + EMB_STRATEGY_NAMES),
     check_config=_check_config,
     flag_names=FLAG_NAMES,
+    float_names=("capacity_factor",),
+    strategy_notes={"bp+ep, bp+mp+ep, bp+ep+z3": "with --set experts=E and a mesh axis 'expert': GShard's expert "
+                    "parallelism (all_to_all dispatch and combine)"},
     choices=CHOICES,
     complete_config=complete_config,
     param_kinds_for=param_kinds,

@@ -118,6 +118,8 @@ def cmd_list(args) -> int:
         s = get_scenario(name)
         print(f"{name}: {s.description}")
         print(f"  strategies: {', '.join(sorted(s.strategies))}")
+        for names, when in s.strategy_notes.items():
+            print(f"  also {names}: {when}")
         presets = ", ".join(f"{k}{' (simulation only)' if k in s.simulation_only else ''}" for k in s.presets)
         print(f"  sizes: {presets}; --set names: {', '.join(s.size_names)}")
     return 0
