@@ -45,7 +45,8 @@ remat          0|1|full|selective|minimal|dots|op (0)
                                            selective AC, ``model.EverySecondDot``)
 microbatches   int (1)                     gradient accumulation: K forward/backward passes over
                                            batch/K rows each (one ``lax.scan``), gradients summed,
-                                           one Adam step (``scenarios.training.train_step``)
+                                           one Adam step (``scenarios.training.train_step``);
+                                           with ``pipeline`` the pipeline's micro-batches
 layers_as      unrolled|loop (unrolled)    loop: the layers are one ``lax.scan`` over
                                            ``params/layers/...`` (each leaf stacked on dim 0),
                                            as MaxText and PaLM-style code write it; the
@@ -66,8 +67,14 @@ bias           mlp|0|1 (mlp)               biases in: mlp = the MLP only (the mo
                                            options), 0 = nowhere, 1 = attention projections
                                            (b_q, b_v, b_o; no key bias, see below) and MLP;
                                            norm biases follow ``norm``
-attention      naive|flash (naive)         flash: the flash-attention core, one fused kernel
-                                           (``scenarios.transformer.attention``); same values as naive
+attention      naive|flash|ring (naive)    flash: the flash-attention core, one fused kernel
+                                           (``scenarios.transformer.attention``); same values as naive;
+                                           ring: ring attention in ``ring_blocks`` (1) sequence
+                                           blocks (``scenarios.transformer.ring_attention``)
+pipeline       int (1)                     P > 1: the layers as P pipeline stages over
+virtual_stages int (1)                     ``microbatches`` micro-batches, V chunks a stage
+                                           (circular); stacks the layers (``layers_as=loop``),
+                                           stage-major (``scenarios.transformer.pipeline``)
 experts        int (none: dense)           mixture of experts: E experts, ``top_k`` (2) a token,
                                            in every ``moe_every``-th (1) layer; ``capacity_factor``
                                            (1.25), ``moe_group`` (seq): ``scenarios.transformer.moe``
@@ -378,7 +385,12 @@ SCENARIO = Scenario(
     flag_names=FLAG_NAMES,
     float_names=("capacity_factor",),
     strategy_notes={"bp+ep, bp+mp+ep, bp+ep+z3": "with --set experts=E and a mesh axis 'expert': GShard's expert "
-                    "parallelism (all_to_all dispatch and combine)"},
+                    "parallelism (all_to_all dispatch and combine)",
+                    "pp, bp+pp, bp+mp+pp, bp+mp+sp+pp+z3": "with --set pipeline=P,microbatches=M (virtual_stages=V: "
+                    "circular) and a mesh axis 'stage' of P: SPMD pipelining, collective_permute between stages",
+                    "cp, bp+cp, bp+mp+cp, pp+cp": "with --set attention=ring,ring_blocks=C and a mesh axis 'context' "
+                    "of C: ring attention, key/value blocks passed round by collective_permute (another attention "
+                    "core gathers them)"},
     choices=CHOICES,
     complete_config=complete_config,
     param_kinds_for=param_kinds,

@@ -112,6 +112,28 @@ def _which(e) -> str:
     return "state" if "roll(out" in src[line - 1] else "conveyor"
 
 
+def _reductions_in_loops(program) -> Counter:
+    """The all_reduces in loop bodies, by axes (each body's once)."""
+    return Counter(b.params["axes"] for e, _ in walk(program) if e.prim == "loop"
+                   for b in e.params["body"].eqns if b.prim == "all_reduce")
+
+
+def test_data_parallel_gradients_are_reduced_once_a_step():
+    """A scan over layers inside a loop (a pipeline's ticks, gradient accumulation's micro-batches)
+    stacks its per-layer weight gradients as a pending sum (``compiler/lowering/loops.py``, step 3),
+    which the enclosing loop accumulates and all-reduces once after it (``compiler/lowering/sink.py``):
+    no data-parallel all-reduce in any loop body, and for accumulation the bytes of the step with
+    unrolled layers (its per-micro-batch loss aside: 4 bytes each)."""
+    pipe = _exp(GPIPE, "bp+pp", "batch=2,stage=2").lower().spmd
+    assert not [axes for axes in _reductions_in_loops(pipe.program) if "batch" in axes]
+    ga = {form: Experiment("transformer", "bp", Mesh(batch=2), "tiny", f"{TINY},microbatches=4,layers_as={form}")
+          .lower().spmd for form in ("loop", "unrolled")}
+    assert set(_reductions_in_loops(ga["loop"].program)) <= {("batch",)}
+    assert sum(_reductions_in_loops(ga["loop"].program).values()) == 1          # the loss, every micro-batch
+    moved = {form: s.stats().to_json()["by_axes"]["batch"]["bytes"] for form, s in ga.items()}
+    assert moved["loop"] == moved["unrolled"], moved
+
+
 # -- priced ---------------------------------------------------------------------------------------
 # sizes at which a tick's stage work dwarfs its bookkeeping (a micro-batch of 4 x 2048 tokens, d 2048)
 PRICED = "batch=64,seq=2048,d_model=2048,heads=16,d_ff=8192,layers=16,vocab=1024"

@@ -11,8 +11,13 @@ tiling its stacked result has under the iteration dim. So:
 2. the body's equations are lowered into a list of their own, which becomes the loop's body
    program (its constants stay with it);
 3. at the end of the body each carry output is resharded to the carry input's layout (a no-op when
-   propagation reached its fixed point without conflict) and each y row to its stacked layout; a
-   pending sum is always resolved there: a loop's values are whole;
+   propagation reached its fixed point without conflict), a pending sum resolved there, and each y
+   row to its stacked layout, its pending sum resolved too (each layer's weight gradient of a scan
+   over layers all-reduced in the body, where it overlaps the layers still to come, as the unrolled
+   model's do), but in a loop that is itself in a loop's body: there the stacked result keeps the
+   rows' pending sum (``sum``; stacking is linear), so that the enclosing loop can accumulate it
+   as one (step 4): a scan over layers inside gradient accumulation or a pipeline's ticks reduces
+   its weight gradients once a step, not once a layer, micro-batch and tick;
 4. an all-reduce whose result is only accumulated into a carry moves out of the body
    (:mod:`.sink`): the carry enters as a pending sum and is all-reduced once after the loop;
 5. the loop's results take those layouts; readers after the loop reshard from them as from any
@@ -47,6 +52,7 @@ class LoopLowerer(Protocol):
     actual: dict[Var, Sharding]
     local: dict[Var, Var]
     primal_cone: frozenset[int]
+    loop_depth: int
 
     def new_var(self, shape: Any, dtype: Any) -> Var: ...
     def emit(self, prim: str, ins: Any, out_shape: Any, dtype: Any, params: Any, source: str = "") -> Var: ...
@@ -57,6 +63,17 @@ class LoopLowerer(Protocol):
 
 def _to(lw: LoopLowerer, a: Atom, target: Sharding, why: str) -> Atom:
     return a if isinstance(a, Literal) else lw.reshard(a, target, why)
+
+
+def _stacked_row(lw: LoopLowerer, o: Atom, row: Sharding) -> Sharding:
+    """The layout a y row of a loop nested in another loop's body leaves the body in: ``row``, keeping
+    the row's pending sum when it has one (see step 3 of the module docstring)."""
+    if not isinstance(o, Var) or not lw.loop_depth:
+        return row
+    have = lw.actual[o]
+    if have.partial and have.partial_op == "sum" and not set(have.partial) & set(row.axes()):
+        return row.with_partial(have.partial)
+    return row
 
 
 def lower_loop(lw: LoopLowerer, r: Region) -> None:
@@ -83,11 +100,13 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
         body_ins.append(lv)
     for v, _ in body.consts:
         lw.actual[v], lw.local[v] = Sharding.replicated(v.ndim), v
+    lw.loop_depth += 1
     lw.lower_range(r.body_start, r.body_end)
+    lw.loop_depth -= 1
     # 3. the body's outputs in the loop's layouts
     lw.at = r.body_end
     outs: list[Atom] = [_to(lw, o, rows[nc + k], f"carry {k} of {where}") for k, o in enumerate(body.outputs[:nk])]
-    y_rows = [Sharding(tuple(st.value_dims[y])[1:]) for y in lp.ys]
+    y_rows = [_stacked_row(lw, o, Sharding(tuple(st.value_dims[y])[1:])) for o, y in zip(body.outputs[nk:], lp.ys)]
     outs += [_to(lw, o, s, f"row of result {j} of {where}") for j, (o, s) in enumerate(zip(body.outputs[nk:], y_rows))]
     body_eqns, body_origin = lw.eqns, lw.origin
     lw.eqns, lw.origin = saved
@@ -109,7 +128,7 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
                                      f"carry {m.k} of {where}, reduced after the loop")
     # 5. the loop equation and its results' layouts
     results: list[Var] = []
-    for v, s in zip((*lp.carry_out, *lp.ys), (*rows[nc:nc + nk], *(Sharding(((), *s.dims)) for s in y_rows))):
+    for v, s in zip((*lp.carry_out, *lp.ys), (*rows[nc:nc + nk], *(Sharding(((), *s.dims), s.partial) for s in y_rows))):
         lv = lw.new_var(s.local_shape(v.shape, mesh), v.dtype)
         lw.actual[v], lw.local[v] = s, lv
         results.append(lv)

@@ -57,6 +57,7 @@ class Lowerer:
         self.cache: dict[tuple[Var, Sharding], Var] = {}
         # the global equations the forward pass needs (set by :func:`lower`): a loop body's passes
         self.primal_cone: frozenset[int] = frozenset()
+        self.loop_depth = 0                  # how many loop bodies enclose the equation being lowered
         # A pending sum passes through a linear reader only if *every* reader of the value is
         # linear; otherwise it is resolved once and all readers share the resolved value.
         users = state.program.users()

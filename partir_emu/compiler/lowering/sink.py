@@ -5,6 +5,9 @@ all-reduces each micro-batch's gradients and adds them to the carried sum::
 
     loop:  g = ...;  c = all_reduce[axes](g);  acc = acc + c
 
+(``add``, or ``add_any``: jax's transpose of a loop accumulates the cotangent of each loop constant,
+a scan's per-layer weights say, in the carry this way: a pipeline's stage weights every tick).
+
 A sum of all-reduces is the all-reduce of the sum, so the body can add the device's own partial
 gradient and the loop reduce once: ``acc`` is carried as a pending sum over ``axes`` (before the
 loop the initial value is put on group member 0, zeros elsewhere: ``to_partial``) and one
@@ -51,7 +54,7 @@ def sink_all_reduces(body: Program, nc: int, nk: int, eligible: frozenset[int]) 
             continue
         i = prod[out]
         e = eqns[i]
-        if e.prim != "add" or len(e.inputs) != 2 or users.get(c) != [i] or users.get(out):
+        if e.prim not in ("add", "add_any") or len(e.inputs) != 2 or users.get(c) != [i] or users.get(out):
             continue
         other = e.inputs[1] if e.inputs[0] == c else e.inputs[0] if e.inputs[1] == c else None
         if not isinstance(other, Var) or other == c or other not in prod or users.get(other) != [i]:
