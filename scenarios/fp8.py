@@ -19,8 +19,11 @@ with its defaults: ``fp8_format=HYBRID``, ``margin=0``, ``amax_history_len=1024`
   verdict's allowance, against 0.36 with float32 partial sums);
 - backward (:func:`fp8_matmul` is a ``jax.custom_vjp``): the output gradient is quantised to
   **E5M2** (``float8_e5m2``, max 57344) with its own scale, and both gradient matmuls run on FP8
-  operands: ``dx = g_q · w_qᵀ`` (E5M2 × E4M3) and ``dw = x_qᵀ · g_q`` (E4M3 × E5M2), accumulated
-  wide, unscaled, cast to ``x``'s and ``w``'s dtypes (``w`` is the float32 master weight). The
+  operands: ``dx = g_q · w_qᵀ`` (E5M2 × E4M3), accumulated wide, unscaled, cast to ``x``'s dtype
+  (float32 partial sums under tensor parallelism, as the forward's), and ``dw = x_qᵀ · g_q`` (E4M3 ×
+  E5M2) written in ``x``'s dtype, unscaled in it (the scale rounded to bfloat16) and cast to ``w``'s
+  (the float32 master weight), as a bf16 step's weight gradient is: its data-parallel reduction is
+  then bfloat16 (nothing quantises it again, so its rounding before the sum stays harmless). The
   FP8 copies of ``x`` and ``w`` are what the forward keeps for the backward, as TE does;
 - **delayed scaling**: the scale of each of the three tensors comes from the amax history carried
   as state across steps, ``s = fp8_max / (max(history) · 2^margin)`` (1 while the history is all
@@ -189,7 +192,7 @@ def _make_fp8_matmul(x_dtype: Any, w_dtype: Any) -> Any:
         gq = quantize(g, BACKWARD, sg)
         lead = tuple(range(g.ndim - 1))
         dx = _dot(gq, wq, ((g.ndim - 1,), (1,)), hg.dtype) * (1 / (sg * sw))
-        dw = _dot(xq, gq, (lead, lead), hg.dtype) * (1 / (sx * sg))
+        dw = _dot(xq, gq, (lead, lead), x_dtype) * (1 / (sx * sg)).astype(x_dtype)   # (module docstring)
         return dx.astype(x_dtype), dw.astype(w_dtype), new_hx, new_hw, pushed(hg, g)
 
     @jax.custom_vjp
