@@ -48,6 +48,8 @@ def _c(scenario: str, strategy: str, hardware: str, mesh: str, **kw: Any) -> Cas
 
 
 _RAIL = "topology.fabric=rail_optimized"
+# scalable units of 2 nodes whose spine uplinks are oversubscribed 4:1 (hwmodels/machine/superpod.py)
+_SU = "topology.fabric=rail_optimized,topology.nodes_per_su=2,topology.spine_oversubscription=4"
 _GC = "group-contention"
 _NIC = "nic-sharing"
 
@@ -86,6 +88,8 @@ _CLOSED_FORM = (
     _c("mlp", "mp", "tpu-v4", "model=8", preset="small", overrides=None),
     _c("mlp", "bp", "h100", "batch=64", preset="small", overrides=None),
     _c("mlp", "z3", "h100", "batch=64", preset="small", overrides=None),
+    # FP8: the projections' and MLPs' dots at the H100's FP8 rate, their E4M3 weights gathered (ZeRO-3)
+    _c("transformer", "bp+mp+z3", "h100", "batch=8,model=8", overrides="layers=2,precision=fp8"),
     # mixture of experts (GShard's bp+ep): all_to_alls over the expert axis, on a v4 torus dim and
     # across 8 H100 nodes (one GPU of each: every pair's message crosses InfiniBand)
     _c("transformer", "bp+ep", "tpu-v4", "batch=8,expert=8", overrides="layers=2,experts=8"),
@@ -103,6 +107,9 @@ _MECHANISMS = (
     _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4", overlap=True, mechanism=_GC),
     _c("transformer", "bp+mp", "tpu-v4", "batch=64,model=4", slice_dims="4x4x16", mechanism=_GC),
     _c("transformer", "bp+mp", "tpu-v4", "batch=128,model=2", mechanism=_GC),
+    # H100 scalable units: every group of an axis across units shares its unit's oversubscribed uplink
+    _c("mlp", "bp", "h100", "su=2,batch=16", hw_overrides=_SU, mechanism=_GC),
+    _c("transformer", "bp+mp+z3", "h100", "batch=8,model=8", hw_overrides=_SU, mechanism=_GC),
     # several communication streams: collectives on disjoint and on shared dims at once
     _c("mlp", "bp+mp", "tpu-v4", "batch=2,model=4", overlap=True, comm_streams=2),
     _c("mlp", "bp+mp", "tpu-v4", "batch=16,model=4", overlap=True, comm_streams=2),                 # disjoint

@@ -30,6 +30,7 @@ import numpy as np
 
 from partir_emu.errors import PlacementError
 from partir_emu.hwmodels.machine.specs import DcnSpec, GpuClusterSpec, HardwareSpec, TorusSpec
+from partir_emu.hwmodels.machine.superpod import gpu_topology
 from partir_emu.hwmodels.machine.topology import Link, Topology
 
 DCN_SWITCH = "dcn"
@@ -193,14 +194,15 @@ def _factorizations(n: int, k: int, least: int = 1) -> list[tuple[int, ...]]:
 def topology_for(spec: HardwareSpec, num_chips: int, dims: tuple[int, ...] | None = None,
                  wrap: tuple[bool, ...] | None = None) -> Topology:
     """The topology of ``num_chips`` chips of ``spec``: a torus slice (``dims`` or :func:`default_slice`,
-    wraparound per the spec's rule unless ``wrap`` says otherwise) or whole GPU nodes. A TPU ``dims``
+    wraparound per the spec's rule unless ``wrap`` says otherwise) or whole GPU nodes (in scalable units
+    when the spec's spine is oversubscribed, :mod:`.superpod`). A TPU ``dims``
     with one dim more than the pod, ``(S, *slice)``, is ``S`` slices joined by DCN (``--slice 2x16x16``);
     they are never assumed: more chips than a pod holds without it is an error."""
     net = spec.network
     if isinstance(net, GpuClusterSpec):
         if dims is not None and math.prod(dims) != num_chips:
             raise PlacementError(f"GPU dims {dims} hold {math.prod(dims)} GPUs, not {num_chips}")
-        return Topology.gpu_cluster(num_chips, net, spec.name)
+        return gpu_topology(num_chips, net, spec.name)      # one spine, or scalable units (.superpod)
     slices = 1
     if dims is not None and len(dims) == len(net.pod_dims) + 1:
         slices, dims = int(dims[0]), tuple(dims[1:])

@@ -13,7 +13,7 @@ from partir_emu.errors import SpecError
 # what_if = true skips them. Memory sizes are not bounded: a tiny HBM is a useful what-if and
 # prices finitely.
 RANGES = {"flops_bf16_per_s": (1e9, 1e18, "FLOP/s"), "flops_f32_per_s": (1e9, 1e18, "FLOP/s"),
-          "flops_fp8_per_s": (1e9, 1e18, "FLOP/s"),
+          "flops_fp8_per_s": (1e9, 1e18, "FLOP/s"), "spine_oversubscription": (1.0, 64.0, "(downlink : uplink)"),
           "vector_flops_per_s": (1e9, 1e18, "FLOP/s"),
           "bw_bytes_per_s": (1e6, 1e15, "B/s"), "latency_s": (1e-10, 1.0, "s"), "links_per_chip": (1, 64, ""),
           "gpus_per_node": (1, 1024, ""), "chips_per_host": (1, 1024, ""), "max_slices": (1, 1 << 16, ""), "nics_per_node": (1, 1024, ""), "nodes_per_leaf": (1, 1 << 20, ""),

@@ -22,8 +22,11 @@ A spec file has a top-level ``name``, ``kind`` (``"tpu"`` or ``"gpu"``) and
                  ``overlaps_compute`` (false: collectives across slices block the compute stream)
                  (:mod:`partir_emu.hwmodels.machine.slices`).
                  GPU: ``kind = "nvswitch"``, ``fabric`` (``fat_tree`` | ``rail_optimized``),
-                 ``nodes_per_leaf`` (fat tree), ``nodes_per_su`` (rail-optimized scalable unit),
-                 ``max_nodes``.
+                 ``nodes_per_leaf`` (fat tree), ``nodes_per_su`` (scalable unit: the rail leaves of
+                 a rail-optimized fabric; with ``spine_oversubscription`` the unit under one spine
+                 group, :mod:`partir_emu.hwmodels.machine.superpod`), ``max_nodes``; optional
+                 ``spine_oversubscription`` (>= 1: a scalable unit's NIC bandwidth over its uplinks to
+                 the core that joins the units; without it every leaf joins one non-blocking spine).
 ``[compiler]``, ``[efficiency]`` (optional): how the chip's compiler fuses and what fraction of
                  each peak it reaches; see :mod:`partir_emu.hwmodels.compute.efficiency` (without them:
                  no fusion, 100 % of every peak).
@@ -74,7 +77,8 @@ _SCHEMA: dict[str, dict[str, dict[str, tuple[Any, bool]]]] = {
         "network": {"gpus_per_node": ("int", True), "nics_per_node": ("int", True),
                     "nic_bw_bytes_per_s": ("float", True), "ib_latency_s": ("float", True)},
         "topology": {"kind": (("nvswitch",), True), "fabric": (("fat_tree", "rail_optimized"), True),
-                     "nodes_per_leaf": ("int", True), "nodes_per_su": ("int", True), "max_nodes": ("int", True)},
+                     "nodes_per_leaf": ("int", True), "nodes_per_su": ("int", True), "max_nodes": ("int", True),
+                     "spine_oversubscription": ("float", False)},
     },
 }
 _OPTIONAL_TABLES = ("compiler", "efficiency")     # validated by hwmodels.efficiency
@@ -149,6 +153,9 @@ class GpuClusterSpec:
     nodes_per_leaf: int
     nodes_per_su: int
     max_nodes: int
+    # a scalable unit's NIC bandwidth over its uplinks to the core (None: no unit tier, one non-blocking
+    # spine joins every leaf; :mod:`partir_emu.hwmodels.machine.superpod`)
+    spine_oversubscription: float | None = None
 
     @property
     def max_chips(self) -> int:
@@ -372,7 +379,8 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
                             f"network.gpus_per_node ({nw['gpus_per_node']}): the model attaches one NIC per GPU")
         net = GpuClusterSpec(nv["nvlink_bw_bytes_per_s"], nv["nvlink_latency_s"], nw["gpus_per_node"],
                              nw["nics_per_node"], nw["nic_bw_bytes_per_s"], nw["ib_latency_s"], topo["fabric"],
-                             topo["nodes_per_leaf"], topo["nodes_per_su"], topo["max_nodes"])
+                             topo["nodes_per_leaf"], topo["nodes_per_su"], topo["max_nodes"],
+                             topo.get("spine_oversubscription"))
     return HardwareSpec(top["name"], kind, chip["flops_bf16_per_s"], chip["flops_f32_per_s"], chip["hbm_bytes"],
                         chip["hbm_bw_bytes_per_s"], chip.get("vector_flops_per_s", chip["flops_f32_per_s"]), net,
                         top.get("description", ""), where, sources,
