@@ -59,13 +59,14 @@ not emulated by casts around a float32 dot.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from partir_emu.errors import ScenarioError
 from scenarios.common import Config
-from scenarios.training import adam_layout, adam_update
+from scenarios.training import adam_init, adam_layout, adam_update
 from scenarios.trees import map_leaves
 
 AMAX_HISTORY = 1024     # TE DelayedScaling amax_history_len default (TE >= 1.0)
@@ -118,6 +119,21 @@ def state_layout(cfg: Config, param_shapes: dict) -> dict:
 def initial_meta(param_shapes: dict) -> dict:
     """Histories of zeros (numpy): TE's initial state, so the first step quantises with scale 1."""
     return map_leaves(meta_shapes(param_shapes), lambda s: np.zeros(s, np.float32))
+
+
+def state_hooks(param_shapes: Callable[[Config], dict]) -> dict[str, Callable]:
+    """A scenario's ``state_shapes`` and ``make_state`` (:class:`scenarios.common.Scenario`): Adam's
+    state, with the amax histories under ``opt/fp8`` when the config asks for FP8."""
+    def state_shapes(cfg: Config) -> dict:
+        return state_layout(cfg, param_shapes(cfg))
+
+    def make_state(cfg: Config, params: dict, rng: np.random.Generator) -> dict:
+        state = adam_init(params)
+        if fp8_matmuls(cfg):
+            state[META] = initial_meta(param_shapes(cfg))
+        return state
+
+    return {"state_shapes": state_shapes, "make_state": make_state}
 
 
 def graft(params: dict, meta: dict) -> dict:
@@ -239,4 +255,4 @@ def fp8_train_step(loss_fn: Any, *, lr: float, grads_only: bool = False) -> Any:
 
 __all__ = ["AMAX_HISTORY", "BACKWARD", "FORWARD", "MARGIN", "check_config", "fp8_matmul", "fp8_matmuls",
            "fp8_train_step", "graft", "histories_of", "initial_meta", "meta_shapes", "quantize", "scale_of",
-           "state_layout"]
+           "state_hooks", "state_layout"]

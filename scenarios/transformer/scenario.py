@@ -142,7 +142,6 @@ from partir_emu.errors import ScenarioError
 from scenarios import fp8
 from scenarios.common import Config, ParamKind, Scenario
 from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strategies
-from scenarios.training import adam_init
 from scenarios.transformer import model as transformer_model
 from scenarios.transformer import moe, pipeline, ring_attention
 
@@ -357,14 +356,6 @@ def _check_mp(cfg: Config, model_size: int) -> None:
                             f"(size {model_size}); Megatron attention shards whole heads")
 
 
-def _make_state(cfg: Config, params: dict, rng: np.random.Generator) -> dict:
-    """Adam's state, and with ``precision=fp8`` the amax histories (zeros: TE's initial state)."""
-    state = adam_init(params)
-    if fp8.fp8_matmuls(cfg):
-        state[fp8.META] = fp8.initial_meta(param_shapes(cfg))
-    return state
-
-
 SCENARIO = Scenario(
     name="transformer",
     description="decoder-only LM training step (causal attention, gelu/relu/swiglu MLP, Adam; --set options)",
@@ -394,8 +385,7 @@ SCENARIO = Scenario(
     choices=CHOICES,
     complete_config=complete_config,
     param_kinds_for=param_kinds,
-    state_shapes=lambda cfg: fp8.state_layout(cfg, param_shapes(cfg)),
-    make_state=_make_state,
+    **fp8.state_hooks(param_shapes),         # Adam's state, and the FP8 amax histories with precision=fp8
 )
 
 __all__ = ["SCENARIO", "PRESETS", "SIZE_NAMES", "CHOICES", "DEFAULTS", "complete_config", "param_count",
