@@ -202,13 +202,18 @@ def make_loss(cfg: Config):
             for i in range(cfg["layers"]):
                 x, aux = split_aux(block(x, params[f"layer_{i}"]))
                 auxes.append(aux)
-        h = norm(x, params["final_ln"], cfg["norm"], dtype)
-        unembed = as_dtype(emb["tokens"], dtype).T if cfg["tied"] else as_dtype(params["unembed"]["w"], dtype)
-        logits = h @ unembed
-        with op_scope("cross_entropy"):
-            logp = jax.nn.log_softmax(wide(logits), axis=-1)
-            onehot = jax.nn.one_hot(batch["targets"], cfg["vocab"], dtype=logp.dtype)
-            ce = -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+        def head(x, targets):       # the mean cross-entropy of x's rows
+            h = norm(x, params["final_ln"], cfg["norm"], dtype)
+            unembed = as_dtype(emb["tokens"], dtype).T if cfg["tied"] else as_dtype(params["unembed"]["w"], dtype)
+            logits = h @ unembed
+            with op_scope("cross_entropy"):
+                logp = jax.nn.log_softmax(wide(logits), axis=-1)
+                onehot = jax.nn.one_hot(targets, cfg["vocab"], dtype=logp.dtype)
+                return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+
+        # a pipeline's head runs a micro-batch at a time, as its last stage does
+        ce = pipeline.per_micro_batch(cfg, head, x, batch["targets"]) if pipeline.pipelined(cfg) else \
+            head(x, batch["targets"])
         return add_aux(ce, auxes)
 
     return loss_fn

@@ -43,11 +43,13 @@ the whole tick loop, which runs after it. 1F1B's step equals GPipe's at the same
 memory does not (it keeps at most ``P`` micro-batches' activations in flight, GPipe all ``M``: here
 the loop's residuals, ``T`` ticks of the stage's saved activations, bubble ticks included).
 
-The embedding and the head (final norm, logits, loss) run outside the loop on the whole batch,
-replicated over ``stage`` (each stage's device computes them; the conveyor's outputs are gathered
-over ``stage`` for the head, and the embedding's gradient likewise): as Megatron's last stage runs
-the head on every micro-batch on the pipeline's critical path, this costs each device about what
-it costs Megatron's last stage.
+The embedding runs before the loop on the whole batch and the head (final norm, logits, loss)
+after it, a micro-batch at a time (:func:`per_micro_batch`: one micro-batch's logits live, as on
+Megatron's last stage), both replicated over ``stage`` (each stage's device computes them: the
+conveyor's outputs are gathered over ``stage`` for the head, the embedding's gradient likewise;
+where the data axes split a micro-batch into single rows the batch's layout lets the stages split
+the head's rows instead). Megatron's last stage runs the head on every micro-batch on the
+pipeline's critical path, so replicated it costs each device about what it costs Megatron's.
 """
 from __future__ import annotations
 
@@ -170,6 +172,28 @@ def run_layers(cfg: Config, block, layers: dict, x, policy=None):
     return jnp.swapaxes(io.reshape(m, mb, *rest), 0, 1).reshape(x.shape)
 
 
+def per_micro_batch(cfg: Config, fn, x, targets):
+    """The mean over the micro-batches of ``fn(x_i, targets_i)`` (a mean loss of rows), one micro-batch at
+    a time (a ``lax.scan`` of ``fn`` under ``jax.checkpoint``, recomputed in the backward pass): the head
+    after the pipeline keeps one micro-batch's logits live, as the last stage of Megatron's pipeline
+    does, not the whole batch's. Micro-batch ``i`` holds rows ``i, M + i, ...``
+    as in :func:`run_layers`; the mean of the ``M`` equal micro-batches' means is the batch's."""
+    import jax
+    import jax.numpy as jnp
+
+    m = int(cfg["microbatches"])
+    mb = x.shape[0] // m
+
+    def split(a):
+        return jnp.swapaxes(a.reshape(mb, m, *a.shape[1:]), 0, 1)
+
+    zero = jnp.zeros((), jax.eval_shape(fn, x[:mb], targets[:mb]).dtype)
+    # recomputed in the backward pass: the loop would otherwise keep every micro-batch's logits
+    fn = jax.checkpoint(fn)
+    total, _ = jax.lax.scan(lambda acc, xt: (acc + fn(*xt), None), zero, (split(x), split(targets)))
+    return total / m
+
+
 def _per_stage(policy):
     """``policy`` as it judges one stage's equations: vmapping a layer over the stage dim gives each of
     its dots a leading batch dim, which a policy on dots' batch dims (``remat=minimal``'s
@@ -220,4 +244,5 @@ def _chunks(w: dict, v: int, repeat):
     return jax.tree.map(one, w)
 
 
-__all__ = ["NAMES", "check", "complete", "layer_order", "pipelined", "run_layers", "stages", "ticks"]
+__all__ = ["NAMES", "check", "complete", "layer_order", "per_micro_batch", "pipelined", "run_layers", "stages",
+           "ticks"]

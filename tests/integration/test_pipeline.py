@@ -59,10 +59,10 @@ def test_a_pipelined_step_is_the_unpipelined_model(overrides):
             w = w[order]
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6 * (float(np.abs(w).max()) + 1e-30), err_msg=name)
     # and it is a pipeline: loops over M·V + P - 1 ticks (forward, backward) around loops over a
-    # stage's layers (L / (P·V) of them)
+    # stage's layers (L / (P·V) of them), and the head's loops over the M micro-batches
     v = pipe.cfg["virtual_stages"]
     lengths = Counter(e.params["length"] for e, _ in walk(pipe.program) if e.prim == "loop")
-    assert lengths[4 * v + 1] == 2 and set(lengths) == {4 * v + 1, 4 // (2 * v)}, lengths
+    assert lengths[4 * v + 1] == 2 and lengths[4] >= 2 and set(lengths) == {4 * v + 1, 4 // (2 * v), 4}, lengths
 
 
 @pytest.mark.parametrize("overrides, strategy, mesh", [
@@ -113,23 +113,22 @@ def _which(e) -> str:
 
 
 def _reductions_in_loops(program) -> Counter:
-    """The all_reduces in loop bodies, by axes (each body's once)."""
+    """The all_reduces of more than a scalar (a micro-batch's loss) in loop bodies, by axes."""
     return Counter(b.params["axes"] for e, _ in walk(program) if e.prim == "loop"
-                   for b in e.params["body"].eqns if b.prim == "all_reduce")
+                   for b in e.params["body"].eqns if b.prim == "all_reduce" and b.inputs[0].shape)
 
 
 def test_data_parallel_gradients_are_reduced_once_a_step():
     """A scan over layers inside a loop (a pipeline's ticks, gradient accumulation's micro-batches)
     stacks its per-layer weight gradients as a pending sum (``compiler/lowering/loops.py``, step 3),
     which the enclosing loop accumulates and all-reduces once after it (``compiler/lowering/sink.py``):
-    no data-parallel all-reduce in any loop body, and for accumulation the bytes of the step with
-    unrolled layers (its per-micro-batch loss aside: 4 bytes each)."""
+    no data-parallel all-reduce of a gradient in any loop body, and for accumulation the bytes of the
+    step with unrolled layers (its per-micro-batch loss aside: 4 bytes each)."""
     pipe = _exp(GPIPE, "bp+pp", "batch=2,stage=2").lower().spmd
-    assert not [axes for axes in _reductions_in_loops(pipe.program) if "batch" in axes]
+    assert not _reductions_in_loops(pipe.program)
     ga = {form: Experiment("transformer", "bp", Mesh(batch=2), "tiny", f"{TINY},microbatches=4,layers_as={form}")
           .lower().spmd for form in ("loop", "unrolled")}
-    assert set(_reductions_in_loops(ga["loop"].program)) <= {("batch",)}
-    assert sum(_reductions_in_loops(ga["loop"].program).values()) == 1          # the loss, every micro-batch
+    assert not _reductions_in_loops(ga["loop"].program)
     moved = {form: s.stats().to_json()["by_axes"]["batch"]["bytes"] for form, s in ga.items()}
     assert moved["loop"] == moved["unrolled"], moved
 
@@ -150,7 +149,8 @@ def _priced(p: int, m: int, v: int):
 
 
 def _loops_s(entry, spec, top: bool = True) -> float:
-    """Compute seconds spent in a program's loops (each body's equations times its length)."""
+    """Compute seconds spent in a program's loops (each body's equations times its length; with
+    ``top=False`` the program's own equations too)."""
     t = compute_times(entry.costs, spec)
     total = 0.0 if top else float(t.sum())
     return total + sum(lc.length * _loops_s(lc.body, spec, False) for lc in entry.costs.loops)
@@ -159,19 +159,27 @@ def _loops_s(entry, spec, top: bool = True) -> float:
 @pytest.mark.parametrize("p, m, v", [(2, 8, 1), (4, 8, 1), (4, 16, 1), (8, 16, 1), (4, 16, 2)])
 def test_the_bubble_is_the_closed_form(p, m, v):
     """Compute-only pricing on uniform stages: what the pipeline's tick loops cost beyond one stage's
-    share of the same micro-batches' layers under gradient accumulation (``1/P`` of its loops) is the
+    share (``1/P``) of the layer loops of gradient accumulation over the same micro-batches is the
     bubble ``(P-1)/(M·V+P-1)``, within the per-tick bookkeeping (conveyor selects and updates, the
-    weight gradients accumulated every tick; the circular schedule also gathers its chunk every tick
-    and scatter-adds its gradient): measured 0.4-1.6 points above for GPipe, 4.9 for circular."""
+    weight gradients accumulated every tick; the circular schedule also gathers its chunk every tick,
+    again in the backward pass, and scatter-adds its gradient). Measured above the closed form: GPipe
+    1.6-3.1 points, circular 4.4-7.3 (the head, a loop of its own in both, aside)."""
     an = Analyzer()
     spec = an.spec("tpu-v4")
-    ideal = _loops_s(an.entry(_priced(1, m, 1).program), spec) / p
-    bubble = 1 - ideal / _loops_s(an.entry(_priced(p, m, v).program), spec)
-    closed = (p - 1) / (m * v + p - 1)
-    assert closed - 0.005 < bubble < closed + (0.06 if v > 1 else 0.02), (bubble, closed)
+    ga = an.entry(_priced(1, m, 1).program)
+    ideal = sum(lc.length * _loops_s(lc.body, spec) for lc in ga.costs.loops) / p      # the layer loops
+    ticks = m * v + p - 1
+
+    def bubble(v: int) -> float:
+        pipe = an.entry(_priced(p, m, v).program)
+        work = sum(lc.length * _loops_s(lc.body, spec, False) for lc in pipe.costs.loops if lc.length == m * v + p - 1)
+        return 1 - ideal / work
+
+    closed = (p - 1) / ticks
+    got = bubble(v)
+    assert closed < got < closed + (0.08 if v > 1 else 0.035), (got, closed)
     if v > 1:       # and the circular schedule's is below GPipe's at the same M
-        gpipe = 1 - ideal / _loops_s(an.entry(_priced(p, m, 1).program), spec)
-        assert bubble < gpipe - 0.02, (bubble, gpipe)
+        assert got < bubble(1) - 0.01, (got, bubble(1))
 
 
 def test_the_des_replays_the_pipeline_as_priced():
@@ -186,8 +194,8 @@ def test_the_des_replays_the_pipeline_as_priced():
 
 def test_gpipe_keeps_every_micro_batchs_activations():
     """The forward tick loop's stacked residuals (what the backward loop reads) are T ticks of the
-    stage's layer inputs: with remat=1, T·lps [mb, seq, d] bf16 blocks per device; and the peak
-    memory holds them."""
+    stage's layer inputs: with remat=1, T·lps [mb, seq, d] bf16 blocks per device (1F1B would keep at
+    most P micro-batches'); and the peak memory holds them."""
     spmd = _priced(4, 8, 1)
     fwd = next(e for e in spmd.program.eqns if e.prim == "loop" and e.params["length"] == 11 and not e.params["reverse"])
     nk = fwd.params["num_carry"]
@@ -197,6 +205,11 @@ def test_gpipe_keeps_every_micro_batchs_activations():
     assert stash == 11 * 4 * block + 11 * block // 2, stash / block
     report = Analyzer().simulate(spmd, "tpu-v4")
     assert report.peak_bytes_per_device > stash
+    # the head runs a micro-batch at a time, recomputed in the backward pass: no value of the step is
+    # more than one micro-batch's logits (8 rows x 2048 x vocab 1024), none stacks them
+    logits = [int(np.prod(v.shape)) for e, _ in walk(spmd.program) for v in e.outputs if v.shape[-1:] == (1024,)
+              and len(v.shape) >= 3]
+    assert max(logits) == 8 * 2048 * 1024, max(logits)
 
 
 # -- errors -------------------------------------------------------------------------------------------
