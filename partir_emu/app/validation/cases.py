@@ -94,6 +94,13 @@ _CLOSED_FORM = (
     # across 8 H100 nodes (one GPU of each: every pair's message crosses InfiniBand)
     _c("transformer", "bp+ep", "tpu-v4", "batch=8,expert=8", overrides="layers=2,experts=8"),
     _c("transformer", "bp+ep", "h100", "expert=8,batch=8", overrides="layers=2,experts=8"),
+    # pipeline parallelism (GPipe, 4 stages, 8 micro-batches): a collective_permute between stages every
+    # tick, on a v4 torus dim and across 4 H100 nodes; ring attention (cp): key/value blocks round a
+    # ring of 8 v4 chips and of 4 H100 nodes
+    _c("transformer", "bp+pp", "tpu-v4", "batch=16,stage=4", overrides="layers=4,pipeline=4,microbatches=8"),
+    _c("transformer", "bp+pp", "h100", "batch=8,stage=4", overrides="layers=4,pipeline=4,microbatches=8"),
+    _c("transformer", "cp", "tpu-v4", "context=8", overrides="layers=2,attention=ring,ring_blocks=8"),
+    _c("transformer", "bp+cp", "h100", "batch=8,context=4", overrides="layers=2,attention=ring,ring_blocks=4"),
 )
 
 # Beyond the closed form: what the DES models that one group priced alone does not show.
