@@ -92,6 +92,10 @@ def check(cfg: Config) -> None:
     if m % p:
         raise ScenarioError(f"transformer: microbatches={m} is not a multiple of pipeline={p}; the pipeline feeds its "
                             f"stages micro-batches in groups of {p} (set --set microbatches={p * max(1, m // p)})")
+    if v > 1 and str(cfg.get("remat", 0)) == "selective":
+        raise ScenarioError(f"transformer: virtual_stages={v} with remat=selective: a circular tick is checkpointed to "
+                            "gather its layer chunk again in the backward pass, and inside it jax keeps what the "
+                            "attention core's own checkpoint would recompute; use remat=1, minimal, dots, op or 0")
     if cfg.get("experts"):
         raise ScenarioError("transformer: pipeline with experts is not supported (a MoE layer's auxiliary loss is not "
                             "carried through the stages); drop one of them")

@@ -217,6 +217,7 @@ def test_gpipe_keeps_every_micro_batchs_activations():
     ("batch=8,layers=4,pipeline=3,microbatches=4", "bp", "batch=1", r"layers=4 is not divisible by pipeline=3"),
     ("batch=8,layers=4,pipeline=2,microbatches=3", "bp", "batch=1", r"microbatches=3 is not a multiple of pipeline=2"),
     ("batch=8,layers=4,virtual_stages=2", "bp", "batch=1", r"virtual_stages without pipeline"),
+    (f"{CIRCULAR},remat=selective", "bp", "batch=1", r"virtual_stages=2 with remat=selective"),
     ("batch=8,layers=4", "pp", "stage=2", r"pp splits a pipeline's stages .* this config has pipeline=1"),
     ("batch=8,layers=4,pipeline=2,microbatches=2", "pp", "batch=2", r"pp needs mesh axis 'stage'"),
     ("batch=8,layers=4,pipeline=2,microbatches=2", "pp", "stage=4", r"pipeline=2; set --set pipeline=4"),
