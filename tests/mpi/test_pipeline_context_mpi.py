@@ -2,7 +2,8 @@
 step and the ring-attention step, their ``collective_permute``s now messages between ranks, are
 bit-identical to the in-process LocalMesh and verify against ``jax.jit``: the circular schedule on 4
 stages as 4 ranks of one device, GPipe under bp+mp+pp on 8 devices as 2 ranks of 4, and ring
-attention under cp on 4 devices as 2 ranks of 2. Each launch has a hard timeout."""
+attention under cp on 4 devices as 2 ranks of 2; and the mechanism alone, a roll by part of a block.
+Each launch has a hard timeout."""
 from __future__ import annotations
 
 import pytest
@@ -32,3 +33,33 @@ def test_over_mpi_equals_local_mesh_and_jax(tmp_path, strategy, mesh, overrides,
         assert bit_equal(got, w), f"{name}: MPI and LocalMesh differ"
     ver = exp.check(res["outputs"], inputs, spmd.output_names, exp.references(inputs))
     assert ver.verified, ver.to_json()["worst"]
+
+
+def test_a_rotation_by_part_of_a_block_over_mpi(tmp_path):
+    """The mechanism alone: ``jnp.roll`` by 3 rows of a dim tiled in blocks of 2 over 4 devices (two
+    permutes of part-blocks each way), with its gradient, as 2 ranks of 2: bit-identical to
+    LocalMesh and equal to jax.jit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import partir_emu
+    from partir_emu import ManualPartition, Mesh
+
+    def fn(x, w):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(jnp.roll(x * w, 3, axis=0)) * w))(x)
+
+    rng = np.random.default_rng(7)
+    x, w = (rng.standard_normal((8, 5)).astype(np.float32) for _ in range(2))
+    pjit = partir_emu.jit(fn, mesh=Mesh(s=4), schedule=[ManualPartition({"x": 0, "w": 0}, axis="s")])
+    spmd = pjit.lower(x, w).spmd
+    assert sum(e.prim == "collective_permute" for e in spmd.program.eqns) == 4       # 2 forward, 2 back
+    prog, inp = tmp_path / "roll.json", tmp_path / "roll.in.npz"
+    spmd.save(prog)
+    save_inputs(inp, spmd.input_names, [x, w])
+    want = LocalMesh(spmd.mesh, "ring").run(spmd, [x, w]).outputs
+    job = {"program": str(prog), "inputs": str(inp), "algorithm": "ring", "devices_per_rank": 2}
+    (res,) = MpiRun([job], 2, timeout_s=120, workdir=tmp_path).start().wait()
+    for got, w_, ref in zip(res["outputs"], want, jax.tree.leaves(jax.jit(fn)(x, w))):
+        assert bit_equal(got, w_)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
