@@ -113,7 +113,7 @@ def test_defaults_are_the_original_model():
     ("block=sequential", r"'block'.*serial\|parallel"),
     ("norm=batchnorm", r"'norm'.*layernorm\|rmsnorm"),
     ("bias=2", r"'bias'.*mlp\|0\|1.*'2'"),
-    ("attention=ring", r"'attention'.*naive\|flash"),
+    ("attention=paged", r"'attention'.*naive\|flash\|ring.*'paged'"),
     ("tied=yes", r"'tied'.*tied=0 or tied=1"),
     ("kv_heads=3", r"kv_heads=3 does not divide heads=4"),
     ("head_dim=0", r"'head_dim'.*positive integer"),
