@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 JOBS ?= 2
 
-.PHONY: setup demo test test-fast lint typecheck bench clean lock fresh-clone
+.PHONY: setup demo test test-all test-fast lint typecheck bench clean lock fresh-clone
 
 # The exact environment CI passed with (requirements.lock, see tools/lock.py); pyproject.toml keeps
 # the ranges for library users. --no-deps: nothing outside the lock is installed.
@@ -25,7 +25,12 @@ demo: setup
 	$(VENV)/bin/partir-emu simulate transformer --size t32 --strategy z3 --mesh batch=256 \
 		--hardware tpu-v4 --top 5 --report reports/demo-simulate.json
 
+# CI's gate: the whole suite but the larger variants tests/extended.py lists (< 20 min on 2 cores)
 test: setup
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider -m "not extended"
+
+# everything, the extended variants too (about twice as long)
+test-all: setup
 	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q -p no:cacheprovider
 
 # the quick tier: tests/unit and tests/integration (docs/tests.md) without the many-seed sweeps and

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.extended import EXTENDED
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Wall-clock limits in tests (how soon a signal stops a job, a timeout fires) are what a quiet
@@ -49,10 +51,28 @@ def tier(path: Path) -> str | None:
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Each test gets the marker of its tier folder, as it is collected (before ``-m`` selects: ``-m unit``,
-    ``-m "not xla"``); a mark it has already is kept."""
+    ``-m "not xla"``); a mark it has already is kept. A test listed in ``tests/extended.py`` is marked
+    ``extended`` (``make test`` leaves it to ``make test-all``)."""
     name = tier(item.path)
     if name and item.get_closest_marker(name) is None:
         item.add_marker(getattr(pytest.mark, name))
+    hits = [p for p in EXTENDED if item.nodeid.startswith(p)]
+    if hits:
+        item.add_marker(pytest.mark.extended)
+        item.config.__dict__.setdefault("_partir_emu_extended_hits", set()).update(hits)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the whole suite was collected, every prefix of ``tests/extended.py`` must have matched a test:
+    a renamed test would otherwise leave the list unnoticed."""
+    config = session.config
+    whole = [Path(a).resolve() for a in (config.args or ["tests"])] == [TESTS]
+    if not whole or session.testsfailed:
+        return
+    unmatched = set(EXTENDED) - config.__dict__.get("_partir_emu_extended_hits", set())
+    if unmatched:
+        raise pytest.UsageError(f"tests/extended.py lists {len(unmatched)} node-id prefix(es) that match no test, "
+                                f"e.g. {sorted(unmatched)[0]!r}: rename the entry with its test, or remove it")
 
 
 @pytest.hookimpl(trylast=True)
