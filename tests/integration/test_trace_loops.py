@@ -3,6 +3,8 @@ its body traced once; cond as a select over every branch), partition and match `
 forward and gradient; a ``while`` with a run-time trip count is still refused, with advice."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,3 +105,25 @@ def test_a_while_whose_bounds_are_inputs_is_refused():
         return jax.lax.fori_loop(0, n, lambda i, c: c * 2.0, x)
     with pytest.raises(UnsupportedPrimitiveError, match="while"):
         pe.trace(f, X, np.int32(3))
+
+
+def test_checkpoint_name_as_maxtext_and_levanter_write_it_traces_and_verifies():
+    """``jax.ad_checkpoint.checkpoint_name`` (the identity primitive ``name`` that remat policies read)
+    under ``jax.checkpoint`` with a names policy, in a scanned layer stack: traced as the identity it is,
+    partitioned, equal to ``jax.jit`` forward and gradient, and verified by ``pe.jit(...).verify``."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_only_these_names("mlp_out")
+
+    def loss(w, x):
+        @functools.partial(jax.checkpoint, policy=policy)
+        def layer(c, wl):
+            h = checkpoint_name(jnp.tanh(c @ wl), "mlp_out")
+            return c + h, None
+        c, _ = jax.lax.scan(layer, x, w)
+        return jnp.sum(c * c)
+
+    step = jax.value_and_grad(loss)
+    _check(step, W, X)
+    verdict = pe.jit(step, mesh=MESH, schedule=SCHEDULE).verify(W, X)
+    assert verdict.verified, verdict.summary()
