@@ -92,6 +92,13 @@ def unavailable() -> str | None:
     return None
 
 
+
+def _under_tmp(*paths: Path) -> list[Path]:
+    """Those of ``paths`` under /tmp, none inside another (each host binds them back into its own /tmp)."""
+    tmp = Path("/tmp").resolve()
+    under = sorted({Path("/tmp") / p.relative_to(tmp) for p in paths if p.is_relative_to(tmp)})
+    return [p for p in under if not any(q != p and p.is_relative_to(q) for q in under)]
+
 class NamespaceHosts:
     """``n`` emulated hosts (module docstring). Use as a context manager, or call :meth:`close`."""
 
@@ -104,6 +111,7 @@ class NamespaceHosts:
         self.bridge = f"{self.tag}br"
         self.veths = [f"{self.tag}v{i}" for i in range(n)]      # the root ends; the host end is "eth1"
         self.run_dir = Path(f"/run/partir-emu-hosts-{self.tag}")
+        self.shared = _under_tmp(Path(__file__).resolve().parents[3], Path(sys.prefix).resolve())
         self.launcher_exec = self.run_dir / "launcher-exec.sh"
         self.enter_script = self.run_dir / "enter.sh"
         try:
@@ -137,10 +145,18 @@ class NamespaceHosts:
         # which the host's directories are /tmp and /dev/shm and its name is the host name (a mount
         # namespace per entry, not one per host: one host could not enter another's, made earlier)
         d = self.run_dir
+        # the installed software is at the same path on every host (as on a cluster); a checkout or venv
+        # under /tmp (a fresh clone in mktemp's dir) would be hidden by the host's own /tmp, so it is
+        # bound back at its path inside it (the outer /tmp is kept at {d}/outer for that: recursively, as a
+        # host entered from another host, hydra's proxy launch, finds the software bound in that host's /tmp)
+        (d / "outer").mkdir()
+        back = "".join(f"mkdir -p {shlex.quote(str(p))} && mount --bind {d}/outer/{shlex.quote(str(p.relative_to('/tmp')))} "
+                       f"{shlex.quote(str(p))} && " for p in self.shared)
+        keep = f"mount --rbind /tmp {d}/outer && " if self.shared else ""
         self.enter_script.write_text(
             "#!/bin/sh\n# enter.sh I COMMAND: run the shell command on host I\ni=$1; shift\n"
             f"exec nsenter --net=/run/netns/{self.tag}h$i -- unshare --mount --uts --propagation private "
-            f"sh -c \"mount --bind {d}/h$i/tmp /tmp && mount --bind {d}/h$i/shm /dev/shm && "
+            f"sh -c \"{keep}mount --bind {d}/h$i/tmp /tmp && {back}mount --bind {d}/h$i/shm /dev/shm && "
             f"mount --bind {d}/etc-hosts /etc/hosts && hostname pe-h$i && exec sh -c \\\"\\$0\\\"\" \"$*\"\n")
         self.enter_script.chmod(0o755)
         table = {**{h: i for i, h in enumerate(self.names)}, **{a: i for i, a in enumerate(self.addrs)}}
@@ -198,7 +214,8 @@ class NamespaceHosts:
         for i, h in enumerate(self.names):
             items = [f"pid {p}: {_cmdline(p)}" for p in procs[i]]
             items += [f"/dev/shm/{f}" for f in self.listing(i, "/dev/shm")]
-            items += [f"/tmp/{f}" for f in self.listing(i, "/tmp")]
+            skeleton = {p.relative_to("/tmp").parts[0] for p in self.shared}     # the software's bound path
+            items += [f"/tmp/{f}" for f in self.listing(i, "/tmp") if f not in skeleton]
             if items:
                 left[h] = items
         return left
