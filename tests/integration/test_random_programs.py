@@ -119,10 +119,26 @@ def schedules(draw, mesh, input_shapes):
     return tactics
 
 
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
 @pytest.mark.slow
-@settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=60, **SETTINGS)
 @given(data=st.data())
 def test_random_program_matches_jax(data):
+    """60 random programs, meshes, schedules and collective algorithms (the gate's share)."""
+    _matches_jax(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=220, **SETTINGS)
+@given(data=st.data())
+def test_random_program_matches_jax_many(data):
+    """220 more (``make test-all``: tests/extended.py)."""
+    _matches_jax(data)
+
+
+def _matches_jax(data) -> None:
     input_shapes, ops = data.draw(programs())
     mesh = data.draw(meshes())
     schedule = data.draw(schedules(mesh, input_shapes))

@@ -28,7 +28,15 @@ BIN = Path(sys.executable).parent
 WHY = unavailable()
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.xdist_group("netns-hosts")]
 ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-SLACK = float(os.environ.get("PARTIR_EMU_WALL_SLACK", "1"))
+
+
+def slack() -> float:
+    """Issue 25's 5 s holds on a quiet machine (the default here: 1); on a loaded one (load average
+    above the cores: a suite's own workers, or busy processes beside it) a kill is named within the
+    wall-clock slack the other ``wallclock`` tests get (tests/conftest.py: 3x, or the variable)."""
+    if "PARTIR_EMU_WALL_SLACK" in os.environ:
+        return float(os.environ["PARTIR_EMU_WALL_SLACK"])
+    return 1.0 if os.getloadavg()[0] < (os.cpu_count() or 1) else 3.0
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +203,14 @@ def test_a_rank_killed_on_a_remote_host_is_named_within_5_s(net):
         if proc.poll() is None:
             proc.kill()
     line = next((ln for ln in err.splitlines() if "died without a message" in ln), "")
+    # Under load the others may be stopped by mpiexec before the launcher's next look: then the exits it
+    # saw at once are "one of the first"; rank 2 is still the one named first, with host, devices and op.
     assert re.search(r"partir-emu rank 2 on pe-h2 devices 8-11 op \d+ \(all_reduce at \S+; waiting for the "
-                     r"other ranks\): died without a message; it was the first rank to exit", line), err[-3000:]
-    assert took < 5.0 * SLACK, f"named {took:.1f} s after the kill"
+                     r"other ranks\): died without a message; (it was the first rank to exit|one of the first "
+                     r"ranks to exit)", line), err[-3000:]
+    assert re.findall(r"partir-emu rank (\d+) on", line)[0] == "2", err[-3000:]
+    limit = 5.0 * slack()
+    assert took < limit, f"named {took:.1f} s after the kill (limit {limit:.0f} s, load {os.getloadavg()[0]:.1f})"
 
 
 def test_a_host_unreachable_at_launch_is_named(net):
