@@ -123,9 +123,12 @@ def test_data_parallel_gradients_are_reduced_once_a_step():
     stacks its per-layer weight gradients as a pending sum (``compiler/lowering/loops.py``, step 3),
     which the enclosing loop accumulates and all-reduces once after it (``compiler/lowering/sink.py``):
     no data-parallel all-reduce of a gradient in any loop body, and for accumulation the bytes of the
-    step with unrolled layers (its per-micro-batch loss aside: 4 bytes each)."""
-    pipe = _exp(GPIPE, "bp+pp", "batch=2,stage=2").lower().spmd
-    assert not _reductions_in_loops(pipe.program)
+    step with unrolled layers (its per-micro-batch loss aside: 4 bytes each). The circular pipeline
+    adds each tick's gradient to its virtual stage's row by a scatter-add: moved out too (a per-tick
+    all-reduce of every layer's gradient before)."""
+    for cfg in (GPIPE, CIRCULAR):
+        pipe = _exp(cfg, "bp+pp", "batch=2,stage=2").lower().spmd
+        assert not _reductions_in_loops(pipe.program), (cfg, _reductions_in_loops(pipe.program))
     ga = {form: Experiment("transformer", "bp", Mesh(batch=2), "tiny", f"{TINY},microbatches=4,layers_as={form}")
           .lower().spmd for form in ("loop", "unrolled")}
     assert not _reductions_in_loops(ga["loop"].program)

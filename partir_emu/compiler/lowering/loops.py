@@ -28,6 +28,7 @@ A narrowing cast of a gathered value in the body is moved before its gather ther
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from partir_emu.compiler.loop_view import Region
@@ -37,6 +38,7 @@ from partir_emu.compiler.state import ShardingState
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
 from partir_emu.core.loops import loop_eqn, parts
 from partir_emu.core.mesh import Mesh
+from partir_emu.core.registry import get as get_primitive
 from partir_emu.core.sharding import Sharding
 
 
@@ -74,6 +76,41 @@ def _stacked_row(lw: LoopLowerer, o: Atom, row: Sharding) -> Sharding:
     if have.partial and have.partial_op == "sum" and not set(have.partial) & set(row.axes()):
         return row.with_partial(have.partial)
     return row
+
+
+def _uniform_in(body: Program, rows: list[Sharding]) -> Callable[[Atom, tuple[str, ...]], bool]:
+    """Whether a value of the local ``body`` is the same on every device of a group over ``axes``: a
+    literal or body constant; a body input whose layout (``rows``) is neither tiled nor pending over
+    ``axes`` (the devices of such a group hold the same block); or a value the body computes from
+    such values alone by an equation that is not device dependent (no ``axis_index``-like per-device
+    primitive, no collective). Used to prove a scatter-add's index the same on every device whose
+    sum :func:`.sink.sink_all_reduces` moves after the loop."""
+    layout = dict(zip(body.inputs, rows))
+    consts = {v for v, _ in body.consts}
+    prod = body.producers()
+
+    def uniform(a: Atom, axes: tuple[str, ...]) -> bool:
+        memo: dict[Var, bool] = {}
+
+        def go(v: Atom) -> bool:
+            if not isinstance(v, Var) or v in consts:
+                return True
+            if v in memo:
+                return memo[v]
+            if v in layout:
+                s = layout[v]
+                ok = not (set(s.axes()) | set(s.partial)) & set(axes)
+            elif v in prod:
+                e = body.eqns[prod[v]]
+                p = get_primitive(e.prim)
+                ok = (p is not None and p.per_device is None and not p.communicates and e.prim != "loop"
+                      and all(go(x) for x in e.inputs))
+            else:
+                ok = False
+            memo[v] = ok
+            return ok
+        return go(a)
+    return uniform
 
 
 def lower_loop(lw: LoopLowerer, r: Region) -> None:
@@ -121,7 +158,7 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
     # pending sum, and the loop's result is reduced once
     lw.at = r.start
     local_body, sunk = sink_all_reduces(local_body, nc, nk, frozenset(
-        k for k in range(nk) if isinstance(operands[nc + k], Var)))
+        k for k in range(nk) if isinstance(operands[nc + k], Var)), _uniform_in(local_body, rows))
     for m in sunk:
         op = operands[nc + m.k]
         operands[nc + m.k] = lw.emit("to_partial", [op], op.shape, op.dtype, {"axes": m.axes},

@@ -59,3 +59,50 @@ def test_a_carry_that_is_not_eligible_is_left_alone():
     """The caller excludes a carry whose initial value is a literal (no buffer to make partial)."""
     prog = _body()
     assert sink_all_reduces(prog, 1, 1, frozenset()) == (prog, ())
+
+
+def _scatter_body() -> Program:
+    """Const ``w`` [4], carry ``acc`` [2, 4] (a stacked per-virtual-stage gradient), x row ``idx``:
+    ``g = w * w; c = all_reduce(g); out = scatter-add(acc, idx, c)`` (a circular pipeline's tick)."""
+    w, g, c = (Var(i, (4,), F32) for i in range(3))
+    acc, out = Var(3, (2, 4), F32), Var(4, (2, 4), F32)
+    idx = Var(5, (1,), "int32")
+    eqns = (Eqn("mul", (w, w), (g,)), Eqn("all_reduce", (g,), (c,), {"axes": ("batch",), "op": "sum"}),
+            Eqn("scatter-add", (acc, idx, c), (out,), {}))
+    return Program((w, acc, idx), ("w", "acc", "idx"), eqns, (out,), ("acc",))
+
+
+@pytest.mark.parametrize("uniform, moved", [
+    (lambda a, axes: True, True),     # every device of the batch group adds at the same row
+    (lambda a, axes: False, False),   # not proven (the default): devices might add at other rows
+])
+def test_a_scatter_add_into_the_carry_moves_only_with_a_uniform_index(uniform, moved):
+    prog = _scatter_body()
+    body, sunk = sink_all_reduces(prog, 1, 1, frozenset({0}), uniform)
+    if not moved:
+        assert sunk == () and body is prog
+        return
+    assert sunk == (Sunk(0, ("batch",)),)
+    assert [e.prim for e in body.eqns] == ["mul", "scatter-add"]
+    assert body.eqns[-1].inputs == (prog.inputs[1], prog.inputs[2], body.eqns[0].outputs[0])
+
+
+def test_an_index_is_uniform_only_from_layouts_and_device_independent_equations():
+    """``loops._uniform_in``: a body input tiled (or pending) over the group's axes differs between its
+    devices; one tiled over another axis, and what device-independent equations compute from it, do not;
+    ``axis_index`` does."""
+    from partir_emu.compiler.lowering.loops import _uniform_in
+    from partir_emu.core.sharding import Sharding
+    on_batch, on_stage, pending = (Var(i, (4,), "int32") for i in range(3))
+    doubled, where, mixed = Var(3, (4,), "int32"), Var(4, (), "int32"), Var(5, (4,), "int32")
+    body = Program((on_batch, on_stage, pending), ("a", "b", "c"),
+                   (Eqn("add", (on_stage, on_stage), (doubled,)),
+                    Eqn("axis_index", (), (where,), {"axes": ("stage",)}),
+                    Eqn("add", (doubled, where), (mixed,))),
+                   (doubled, mixed), ("d", "m"))
+    rows = [Sharding((("batch",),)), Sharding((("stage",),)), Sharding(((),), ("batch",))]
+    uniform = _uniform_in(body, rows)
+    assert not uniform(on_batch, ("batch",)) and uniform(on_batch, ("model",))
+    assert uniform(on_stage, ("batch",)) and uniform(doubled, ("batch",)) and not uniform(doubled, ("stage",))
+    assert not uniform(pending, ("batch",))
+    assert not uniform(mixed, ("batch",))
