@@ -27,6 +27,7 @@ from jax.extend import core as jcore
 from partir_emu.compiler.tracing.idioms import find_idioms
 from partir_emu.compiler.tracing.keys import physical_aval, physical_params, physical_value
 from partir_emu.compiler.tracing.loops import empty_as_zeros, select_cond, trace_scan, trace_while
+from partir_emu.compiler.tracing.positional import REDUCTIONS, named_axes, positional_reduction
 from partir_emu.compiler.tracing.unsupported import UnsupportedReport
 from partir_emu.core.analysis import dead_code_elimination
 from partir_emu.core.ir import Eqn, Literal, Program, Var
@@ -192,6 +193,15 @@ class _Builder:
                 env.update(zip(e.outvars, results))
                 continue
             where = _where(e) or outer
+            if name in REDUCTIONS:      # psum & co. over a vmapped axis: a reduction (tracing/positional.py)
+                why = named_axes(e)
+                if why:
+                    self.unsupported.add(why, [e.source_info, *reversed(self.call_sites)], where)
+                    env.update(zip(e.outvars, [self.new_var(ov.aval) for ov in e.outvars]))
+                else:
+                    env.update(zip(e.outvars, positional_reduction(self, e, ins, where,
+                                                                   _kernel(_stack(e, outer_stack)))))
+                continue
             entry = get(name)
             raw = physical_params(name, dict(e.params), [x.aval for x in e.invars], [v.aval for v in e.outvars])
             outs = [self.new_var(ov.aval) for ov in e.outvars]
