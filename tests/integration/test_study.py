@@ -113,6 +113,15 @@ def test_infeasible_configurations_are_rows_with_their_reason(tmp_path, capsys):
     assert by[("as is", "batch=4,model=2")]["status"] == "ok"
     out = capsys.readouterr().out
     assert "does not fit (needs" in out
+    # the capacity alone changes what fits, not a time (the study reuses the as-is search and report):
+    # each row equals the spec file with that capacity priced on its own
+    text = Path(find_spec("tpu-v4")).read_text()
+    small_spec = tmp_path / "tpu-v4-1kb.toml"
+    small_spec.write_text("what_if = true\n" + re.sub(r"^hbm_bytes = \d+$", "hbm_bytes = 1000", text, flags=re.M))
+    for r in small:
+        p = predict("transformer", "bp+mp", r["mesh"], str(small_spec), size="tiny", set="batch=16")
+        assert not p.fits and math.isclose(p.step_s, r["step_s"], rel_tol=1e-12), (r, p.step_s)
+        assert r["step_s"] == by[("as is", r["mesh"])]["step_s"] and r["placement"] == by[("as is", r["mesh"])]["placement"]
 
 
 def test_a_mesh_that_does_not_lower_is_reported(tmp_path, capsys):

@@ -13,6 +13,7 @@ replays a configuration in the discrete-event model on the same placement.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -84,6 +85,9 @@ class Study:
         self.analyzer = Analyzer(max_programs=32)
         self._lowered: dict[tuple, Any] = {}
         self._specs: dict[tuple[str, WhatIf], Any] = {}
+        # (program, spec up to its HBM capacity) -> (placement, report): a what-if of the capacity alone
+        # (``hbm_gb=64``) changes what fits, never a time, so its configurations reuse the search and report
+        self._twins: dict[tuple, tuple[Any, Any]] = {}
         self.lower_s = 0.0
         self.price_s = 0.0          # everything after lowering, ...
         self.analyse_s = 0.0        # ... of which the work a program's configurations share (:meth:`analyse`)
@@ -130,12 +134,21 @@ class Study:
             return Row(cfg, "does not lower", str(low))
         _, spmd, model_flops = low
         t0 = time.perf_counter()
+        twin_key = (cfg.lowering_key, timing_twin(spec))
         try:
-            self.analyse(spmd, spec)
-            # prune: the study keeps the best placement only (the same one, not every candidate's step)
-            placed = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap, prune=True)
-            sim = simulate(spmd, spec, placed.placement, overlap=self.overlap, analyzer=self.analyzer,
-                           model_flops=model_flops)
+            twin = self._twins.get(twin_key)
+            if twin is not None:         # priced on a spec that times every kernel and transfer alike
+                placement, sim = twin
+                sim = dataclasses.replace(
+                    sim, spec=spec.name, hbm_bytes=spec.hbm_bytes, fits=sim.peak_bytes_per_device <= spec.fits_bytes)
+            else:
+                self.analyse(spmd, spec)
+                # prune: the study keeps the best placement only (the same one, not every candidate's step)
+                placement = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap,
+                                             prune=True).placement
+                sim = simulate(spmd, spec, placement, overlap=self.overlap, analyzer=self.analyzer,
+                               model_flops=model_flops)
+                self._twins[twin_key] = (placement, sim)
         except PartirError as exc:
             return Row(cfg, "does not place", str(exc))
         finally:
@@ -148,7 +161,7 @@ class Study:
         if not sim.fits:
             status = "does not fit"
             reason = f"needs {figures['needed_gib']:.1f} of {figures['hbm_gib']:.1f} GiB per device"
-        return Row(cfg, status, reason, figures, sim, placed.placement)
+        return Row(cfg, status, reason, figures, sim, placement)
 
     def analyse(self, spmd: Any, spec: Any) -> None:
         """What every configuration of ``spmd``'s program shares, done on its first (and kept by the
@@ -168,6 +181,12 @@ class Study:
             if on_row is not None:
                 on_row(i, rows[-1])
         return rows
+
+
+def timing_twin(spec: Any) -> Any:
+    """``spec`` without what only decides what fits (its name and HBM capacity): two specs equal here
+    price every kernel and transfer alike (the analytical model reads ``hbm_bytes`` only for ``fits``)."""
+    return dataclasses.replace(spec, name="", hbm_bytes=0, path="", description="")
 
 
 def sensitivity(study: Study, row: Row, factor: float = 2.0) -> dict[str, float]:
@@ -206,4 +225,4 @@ def ranked(rows: Sequence[Row], key: str = "step_s") -> list[Row]:
     return ok + misfit + [r for r in rows if not r.priced]
 
 
-__all__ = ["SENSITIVITY_FIELDS", "Row", "Study", "des_check", "ranked", "sensitivity"]
+__all__ = ["SENSITIVITY_FIELDS", "Row", "Study", "des_check", "ranked", "sensitivity", "timing_twin"]
