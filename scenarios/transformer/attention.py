@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from scenarios.precision import as_dtype, wide
+from scenarios.training import op_scope
 
 KERNEL_SCOPE = "kernel:flash_attention"
 # the checkpoint_name of what remat=op keeps (scenarios.transformer.model.EverySecondDot): the flash
@@ -60,29 +61,40 @@ def _sum_groups(x, groups: int):
 
 
 
-def _causal_scores(q, k):
-    """Scaled, causally masked scores [b, heads, s, s] in float32."""
+def _scale_mask(raw, dh: int):
+    """``raw`` scores [b, heads, s, s] scaled by 1/sqrt(dh) in float32 and causally masked."""
     import jax
     import jax.numpy as jnp
 
-    s, dh = q.shape[1], q.shape[3]
-    scores = wide(jnp.einsum("bqhd,bkhd->bhqk", q, k)) * np.float32(1.0 / math.sqrt(dh))
+    s = raw.shape[-1]
+    scores = wide(raw) * np.float32(1.0 / math.sqrt(dh))
     causal = jax.lax.broadcasted_iota(jnp.int32, (s, s), 0) >= jax.lax.broadcasted_iota(jnp.int32, (s, s), 1)
     return jnp.where(causal, scores, _MASKED)
 
 
+def _causal_scores(q, k):
+    """Scaled, causally masked scores [b, heads, s, s] in float32."""
+    import jax.numpy as jnp
+
+    return _scale_mask(jnp.einsum("bqhd,bkhd->bhqk", q, k), q.shape[3])
+
+
 def naive_attention(q, k, v):
-    """Scores, max-subtracted softmax, ``p @ v``: every intermediate is a value of the program."""
+    """Scores, max-subtracted softmax, ``p @ v``: every intermediate is a value of the program. Scale,
+    mask and softmax are one framework op, ``scale_mask_softmax`` (Megatron's ``FusedScaleMaskSoftmax``
+    CUDA kernel, which a stack may run as one hand-written kernel: ``hand_fused``)."""
     import jax
     import jax.numpy as jnp
 
     groups = q.shape[2] // k.shape[2]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    scores = _causal_scores(q, k)
-    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    e = jnp.exp(scores - m)
-    probs = e / jnp.sum(e, axis=-1, keepdims=True)
-    return jnp.einsum("bhqk,bkhd->bqhd", as_dtype(probs, v.dtype), v)
+    raw = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    with op_scope("scale_mask_softmax"):
+        scores = _scale_mask(raw, q.shape[3])
+        m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+        e = jnp.exp(scores - m)
+        probs = as_dtype(e / jnp.sum(e, axis=-1, keepdims=True), v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def _flash_forward(q, k, v):

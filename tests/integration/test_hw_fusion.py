@@ -63,6 +63,34 @@ def test_softmax_is_three_groups_reductions_as_roots():
     assert plan.bytes.sum() < 0.65 * analyze(p).bytes.sum()
 
 
+def test_a_stack_runs_its_hand_fused_ops_as_one_kernel_each_under_the_compiler():
+    """``hand_fused`` (Megatron's fused scale-mask-softmax): the ``op.`` region the scenario marks is one
+    kernel forward and one backward, reading the scores once and writing the probabilities once, where the
+    compiler alone makes three groups of it; without the field (or under another op's name) the tag is ignored."""
+    import dataclasses
+
+    def f(x):
+        with jax.named_scope("kernel:op.scale_mask_softmax"):
+            y = jax.nn.softmax(x * 0.5, axis=-1)
+        return (y * y).sum()
+
+    p = trace(jax.grad(f), X)
+    fwd = [i for i, e in enumerate(p.eqns) if e.kernel == "op.scale_mask_softmax"]
+    bwd = [i for i, e in enumerate(p.eqns) if e.kernel == "op.scale_mask_softmax/bwd"]
+    assert fwd and bwd
+    for hand, kernels in ((("scale_mask_softmax",), 2), ((), None), (("layernorm",), None)):
+        plan = analyze(p).fusion.plan(dataclasses.replace(GPU, hand_ops=frozenset(hand)))
+        gs = {plan.group_of[i] for i in fwd + bwd} - {-1}
+        if kernels:
+            assert len(gs) == kernels and plan.hand_kernels == kernels, groups(p, plan)
+            assert {plan.group_of[i] for i in fwd} - {-1} != {plan.group_of[i] for i in bwd} - {-1}
+        else:
+            assert plan.hand_kernels == 0 and len(gs) > 2, groups(p, plan)
+    megatron_like = dataclasses.replace(load_stack("megatron-lm"), hand_fused=("scale_mask_softmax",))
+    assert megatron_like.compiler(GPU).hand_ops == {"scale_mask_softmax"}
+    assert megatron_like.compiler(GPU).variant != GPU.variant      # a plan of its own in the cache
+
+
 def test_layernorm_groups_and_bytes():
     def ln(x, g, b):
         m = x.mean(-1, keepdims=True)

@@ -63,6 +63,8 @@ def _profile(**memory):
     (lambda d: d["kernels"].update(attention_block=0, attention_block_source="s"), "a positive integer"),
     (lambda d: d.update(optimizer={"fused": True}), "unknown field optimizer"),
     (lambda d: d["kernels"].update(flash=True), "unknown field kernels.flash"),
+    (lambda d: d["kernels"].update(hand_fused=["softmax"], hand_fused_source="s"), "names 'softmax'"),
+    (lambda d: d["kernels"].update(hand_fused="layernorm", hand_fused_source="s"), "a list of names"),
     (lambda d: d.update(name=""), "field name"),
     (lambda d: d.update(efficiency={"compute_fraction": 1.5, "compute_fraction_source": "s"}),
      "efficiency.compute_fraction must be"),

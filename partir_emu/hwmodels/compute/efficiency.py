@@ -65,11 +65,14 @@ class CompilerSpec:
     kernel_launch_s: float = 0.0
     # not a chip's: an eager stack (``StackSpec.eager``) runs each framework op as its own kernel
     eager: bool = False
+    # not a chip's either: the framework ops (``op.NAME`` tags) a stack runs as hand-written kernels,
+    # one kernel each whatever the compiler would fuse (``StackSpec.hand_fused``)
+    hand_ops: frozenset[str] = frozenset()
 
     @property
-    def variant(self) -> tuple[bool, bool, str, bool]:
+    def variant(self) -> tuple[bool, bool, str, bool, tuple[str, ...]]:
         """What selects a grouping (:func:`.fusion.fuse` is computed once per program per variant)."""
-        return self.loop_fusion, self.matmul_operand_fusion, self.matmul_epilogue, self.eager
+        return self.loop_fusion, self.matmul_operand_fusion, self.matmul_epilogue, self.eager, tuple(sorted(self.hand_ops))
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,10 @@ def _value(value: Any, typ: Any, where: str, name: str) -> Any:
         if (not isinstance(value, list) or len(value) != 3
                 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value)):
             raise bad("a list of 3 positive integers [tm, tn, tk]")
+        return tuple(value)
+    if typ == "names":
+        if not isinstance(value, list) or any(not isinstance(v, str) or not v.strip() for v in value):
+            raise bad("a list of names (strings)")
         return tuple(value)
     if typ == "floats":
         if not isinstance(value, list) or not value or any(not number(v) or v < 0 for v in value):

@@ -26,7 +26,9 @@ Grouping (:func:`fuse`, one pass in program order, hardware independent; the spe
   each tagged region is one group, every untagged elementwise op or reduction is a group of its own
   (``x + y`` is one kernel), a dot takes at most one bias add (``matmul_epilogue = "bias"``), and
   views (reshape, transpose, broadcast, slice) cost nothing: their readers read what they view.
-  Other stacks ignore ``op.`` tags (XLA fuses across them);
+  Other stacks ignore ``op.`` tags (XLA fuses across them), except the ops a stack runs as
+  hand-written kernels (``CompilerSpec.hand_ops``, from the stack's ``hand_fused``: Megatron's fused
+  LayerNorm and scale-mask-softmax): each such region is one kernel, its backward another;
 - everything else (communicating collectives, sort, cumulative ops, in-place updates) is its own
   group priced by its unfused cost rule, and breaks the groups it reads; so is a ``loop`` equation
   (no cost of its own here: its body's groups are formed within the body, :mod:`partir_emu.hwmodels.pricing`);
@@ -62,9 +64,13 @@ _VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "broadcast
                     "all_slice", "to_partial", "copy", "copy_p"})
 
 
-def hand_tag(kernel: str, eager: bool) -> str:
-    """The hand-fused kernel an ``Eqn.kernel`` tag makes under a compiler (``op.`` tags: eager only)."""
-    return "" if not eager and kernel.startswith(OP_PREFIX) else kernel
+def hand_tag(kernel: str, eager: bool, hand_ops: frozenset[str] = frozenset()) -> str:
+    """The hand-fused kernel an ``Eqn.kernel`` tag makes: any tag under an eager stack; under a
+    compiler, a tag that is not a framework op's (``flash_attention``), or an ``op.NAME`` tag whose
+    op the stack runs as a hand-written kernel (``NAME`` in ``hand_ops``; ``op.NAME/bwd``: its backward)."""
+    if eager or not kernel.startswith(OP_PREFIX):
+        return kernel
+    return kernel if kernel[len(OP_PREFIX):].split("/", 1)[0] in hand_ops else ""
 _CHEAP = frozenset({"broadcast_in_dim", "iota", "axis_index"})
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                      "argmax", "argmin"})
@@ -98,7 +104,7 @@ class FusionCache:
         self._program = program
         self._flops = flops
         self._bytes = byts
-        self._plans: dict[tuple[bool, bool, str, bool], FusionPlan] = {}
+        self._plans: dict[tuple, FusionPlan] = {}
 
     def plan(self, compiler: CompilerSpec) -> FusionPlan:
         key = compiler.variant
@@ -275,7 +281,7 @@ def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: Compil
     else:
         eager = compiler.eager
         cls = [CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim) for e in eqns]
-        own = [hand_tag(e.kernel, eager) for e in eqns]
+        own = [hand_tag(e.kernel, eager, compiler.hand_ops) for e in eqns]
         # eager: a view is free whoever reads it (a GEMM takes a strided or transposed operand too)
         transparent = _transparent(program, cls, compiler.matmul_operand_fusion or eager, own)
         gid, gs, reads = _group(program, cls, transparent, compiler, own)

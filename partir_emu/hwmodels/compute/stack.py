@@ -32,6 +32,10 @@ What each field does to a prediction:
   head dimension; on a chip the kernel was not measured on, the group is priced as above;
 - ``eager``: the stack runs op by op, each framework op its own kernel (PyTorch without
   ``torch.compile``): the chip's ``[compiler]`` grouping is replaced by :mod:`.fusion`'s eager one;
+- ``hand_fused``: framework ops (of :data:`HAND_OPS`) the stack runs as hand-written kernels while the
+  rest is grouped as the chip's compiler would (Megatron-LM's fused LayerNorm and scale-mask-softmax
+  CUDA kernels): each marked region is one kernel, its backward another, instead of the separate
+  reductions and elementwise passes a compiler without multi-output fusion makes of it;
 - ``saved_activations``: the lifetimes :func:`.residuals.saved_liveness` gives the memory profile;
 - ``[efficiency] compute_fraction`` (optional, default 1): every kernel of the step takes
   ``1 / compute_fraction`` times its modelled time. It is the one *fitted* number of a stack
@@ -71,7 +75,11 @@ _NARROW = frozenset({"bfloat16", "float16"})
 STACK_DIR = Path(__file__).parents[1] / "data" / "stacks"
 
 _KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", False),
-            "attention_kernel": (tuple(list_kernels()), False), "eager": ("bool", False)}
+            "attention_kernel": (tuple(list_kernels()), False), "eager": ("bool", False),
+            "hand_fused": ("names", False)}
+# the framework ops the scenarios mark (``scenarios.training.op_scope``) that a stack may run as
+# hand-written kernels (``hand_fused``)
+HAND_OPS = ("layernorm", "rmsnorm", "gelu", "relu", "silu", "scale_mask_softmax", "cross_entropy", "adam")
 _COMM = {"gradient_reduce_dtype": (REDUCE_DTYPES, True)}
 _MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
            "allocator_overhead": ("float", False)}
@@ -88,6 +96,7 @@ class StackSpec:
     attention_block: int = 128
     attention_kernel: str = ""          # a measured kernel (.attention_kernels); "": priced as its GEMMs
     eager: bool = False                 # each framework op its own kernel (.fusion, eager), no compiler
+    hand_fused: tuple[str, ...] = ()    # framework ops run as one hand-written kernel each under a compiler
     saved_activations: str = "residuals"
     gradient_reduce_dtype: str = "as_traced"   # or "float32": 16-bit gradient reductions run in fp32
     reserved_bytes: float = 0.0
@@ -121,7 +130,7 @@ class StackSpec:
         """How the chip's kernels are grouped under this stack: the chip's compiler, or eager
         (:mod:`.fusion`): framework ops one kernel each, GEMMs through cuBLASLt with a bias epilogue."""
         if not self.eager:
-            return chip
+            return replace(chip, hand_ops=frozenset(self.hand_fused)) if self.hand_fused else chip
         return replace(chip, loop_fusion=True, matmul_operand_fusion=False, matmul_epilogue="bias", eager=True)
 
     def needed_bytes(self, peak_bytes: float) -> float:
@@ -131,7 +140,7 @@ class StackSpec:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description,
                 "attention_causal_skip": self.attention_causal_skip, "attention_block": self.attention_block,
-                "attention_kernel": self.attention_kernel, "eager": self.eager,
+                "attention_kernel": self.attention_kernel, "eager": self.eager, "hand_fused": list(self.hand_fused),
                 "saved_activations": self.saved_activations, "gradient_reduce_dtype": self.gradient_reduce_dtype,
                 "reserved_bytes": self.reserved_bytes,
                 "allocator_overhead": self.allocator_overhead, "compute_fraction": self.compute_fraction,
@@ -174,6 +183,10 @@ def stack_from_dict(data: Any, where: str = "<dict>") -> StackSpec:
     if not isinstance(name, str) or not name.strip() or len(name) > 64:
         raise SpecError(f"{where}: field name must be a non-empty string of at most 64 characters")
     kernels = check_fields(data.get("kernels", {}), _KERNELS, where, "kernels")
+    unknown_ops = [op for op in kernels.get("hand_fused", ()) if op not in HAND_OPS]
+    if unknown_ops:
+        raise SpecError(f"{where}: field kernels.hand_fused names {unknown_ops[0]!r}, which no scenario marks as a "
+                        f"framework op; known ops: {', '.join(HAND_OPS)}")
     memory = check_fields(data.get("memory", {}), _MEMORY, where, "memory")
     comm = check_fields(data["comm"], _COMM, where, "comm") if "comm" in data else {}
     efficiency = check_fields(data["efficiency"], _EFFICIENCY, where, "efficiency") if "efficiency" in data else {}

@@ -217,7 +217,7 @@ class HardwareSpec:
                 "flops_f32_per_s": self.flops_f32_per_s, "flops_fp8_per_s": self.flops_fp8_per_s,
                 "vector_flops_per_s": self.vector_flops_per_s,
                 "hbm_bytes": self.hbm_bytes, "hbm_bw_bytes_per_s": self.hbm_bw_bytes_per_s, "network": net,
-                "compiler": dict(vars(self.compiler)),
+                "compiler": {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in vars(self.compiler).items()},
                 "efficiency": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.efficiency).items()},
                 "stack": self.stack.to_json(), "path": self.path}
 
