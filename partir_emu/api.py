@@ -29,7 +29,7 @@ from partir_emu.compiler.tactics import AutomaticPartition, CostModel, Tactic
 from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
-from partir_emu.errors import ArgumentError, PartitionWarning
+from partir_emu.errors import ArgumentError, PartitionWarning, TraceError
 from partir_emu.hwmodels.analytical import Analyzer, simulate
 from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.runtime.kernels import check_kernels
@@ -78,6 +78,8 @@ class Lowered(compiler_api.Partitioned):
 
     in_tree: Any = None
     out_tree: Any = None
+    # per output leaf: the PRNG key implementation of a typed key output (run as its key data), else None
+    out_keys: tuple = ()
 
     def run(self, *flat_inputs: np.ndarray, algorithm: str = "ring", kernels: str = "blas"):
         return LocalMesh(self.spmd.mesh, algorithm=algorithm, kernels=kernels).run(self.spmd, list(flat_inputs))
@@ -137,7 +139,10 @@ class Jitted:
             low = lower_program(prog, self.mesh, self.schedule, self.state_outputs, self.cost_model)
             low.in_tree = tree
             jax = _jax()
-            low.out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *args))
+            shapes = jax.eval_shape(self.fn, *args)
+            low.out_tree = jax.tree_util.tree_structure(shapes)
+            low.out_keys = tuple(x.dtype._impl.name if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None
+                                 for x in jax.tree_util.tree_leaves(shapes))
             self._cache[key] = low
             for line in low.warnings:     # once per lowering, as the CLI prints them once per run
                 warnings.warn(line, PartitionWarning, stacklevel=3)
@@ -153,7 +158,11 @@ class Jitted:
                            outputs=self.outputs, timeout_s=self.timeout_s, kernels=self.kernels)
         else:
             outs = low.run(*flat, algorithm=self.algorithm, kernels=self.kernels).outputs
-        return _jax().tree_util.tree_unflatten(low.out_tree, outs)
+        jax = _jax()
+        # a typed key output (a model's rng state, e.g. flax.nnx's) ran as its key data: a key again
+        outs = [jax.random.wrap_key_data(o, impl=impl) if impl else o
+                for o, impl in zip(outs, low.out_keys or [None] * len(outs))]
+        return jax.tree_util.tree_unflatten(low.out_tree, outs)
 
     def verify(self, *args: Any) -> Verdict:
         """Run the partitioned step on ``args`` (on this backend) and judge its outputs as the
@@ -172,20 +181,49 @@ class Jitted:
         keyed = self._key(args)
         low = self._lower(args, keyed)
         flat = [np.asarray(x) for x in keyed[1]]
-        ours = [np.asarray(x) for x in jax.tree_util.tree_leaves(self(*args))]
+        ours = _numpy_leaves(self(*args))
         jitted = jax.jit(self.fn)
-        baseline = [np.asarray(x) for x in jax.tree_util.tree_leaves(jitted(*args))]
-        # the caller's own leaves (a typed PRNG key stays a key), floats cast up
-        wide = [np.asarray(x, np.float64) if jax.dtypes.issubdtype(getattr(x, "dtype", None), np.floating) else x
-                for x in jax.tree_util.tree_leaves(args)]
+        baseline = _numpy_leaves(jitted(*args))
+        wide = [_widened(x) for x in jax.tree_util.tree_leaves(args)]
         with jax.enable_x64(True):
             wide_args = jax.tree_util.tree_unflatten(low.in_tree, wide)
-            reference = _narrowed_floats(jitted.trace(*wide_args).jaxpr)
-            ref64 = [np.asarray(x) for x in jax.tree_util.tree_leaves(jitted(*wide_args))]
+            try:
+                reference = _narrowed_floats(jitted.trace(*wide_args).jaxpr)
+                ref64 = _numpy_leaves(jitted(*wide_args))
+            except (TypeError, ValueError) as exc:
+                raise TraceError(
+                    f"verify: {getattr(self.fn, '__name__', 'the step')} fails on its arguments cast to float64 "
+                    f"under jax's 64-bit mode, which verify's float64 reference is: {_first_lines(exc)} "
+                    "A module that fixed its dtype to float32 when it was built casts there while the rest "
+                    "computes in float64 (flax.nnx.Embed takes its embedding's dtype at construction): build "
+                    "such modules with dtype=jnp.float64 (float32 without x64, float64 with it), or judge "
+                    "the step by calling it and comparing with jax.jit yourself") from exc
         program = low.program
         verdict = judge(ours, baseline, ref64, program.output_names, reduction_length(program),
                         others=other_orders(program, flat), precision=compute_precision(program))
         return dataclasses.replace(verdict, reference=reference)
+
+
+def _widened(x: Any) -> Any:
+    """An argument leaf for the float64 reference: floats cast up, a weakly typed scalar as the Python
+    scalar it was made from (under x64 jax makes it weak again, in the 64-bit type of its kind, as the
+    step's own scalars are: Equinox's state compares the two), anything else (ints, typed PRNG keys)
+    the caller's own."""
+    jax = _jax()
+    if getattr(x, "weak_type", False) and np.ndim(x) == 0:
+        return np.asarray(x).item()
+    return np.asarray(x, np.float64) if jax.dtypes.issubdtype(getattr(x, "dtype", None), np.floating) else x
+
+
+def _first_lines(exc: Exception, n: int = 2) -> str:
+    return " ".join([line for line in str(exc).splitlines() if line.strip()][:n])
+
+
+def _numpy_leaves(tree: Any) -> list[np.ndarray]:
+    """``tree``'s leaves as numpy arrays, a typed PRNG key as its key data."""
+    jax = _jax()
+    return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+                       else x) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _narrowed_floats(closed: Any) -> str:
