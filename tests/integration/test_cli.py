@@ -135,7 +135,7 @@ def test_simulate_full_width_without_arrays(capsys, tmp_path):
 def test_hardware_lists_every_spec(capsys):
     rc, out, _ = run_cli(capsys, "hardware")
     assert rc == 0
-    for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100", "h100", "h200"):
+    for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100", "a100-40gb", "h100", "h200"):
         assert name in out
     assert "4096" in out and "275" in out and "3D torus 16x16x16" in out      # tpu-v4 chips, TFLOP/s, topology
     rc, out, _ = run_cli(capsys, "hardware", "--json")

@@ -124,6 +124,26 @@ def test_a_measured_kernel_prices_the_flash_groups_from_its_curve():
             == group_times(plan200, h200.with_stack(dataclasses.replace(fsdp, attention_kernel="")))).all()
 
 
+def test_a_what_if_chip_and_the_40gb_a100_keep_the_measured_kernel_rates():
+    """Measured rates are looked up by chip name: a what-if spec (``h100[ici_bw*2]``) keeps its base chip's
+    (they were lost before: its flash groups fell back to the GEMM model), and ``a100-40gb`` takes the
+    80 GB part's (``kernels_measured_as``); a what-if of the HBM bandwidth changes no flash group's time."""
+    from partir_emu.app.study.whatif import WhatIf, apply
+
+    prog = program(2).program
+    fsdp = mechanisms("pytorch-fsdp")
+    for base, other, same_flash in (("h100", apply("h100", WhatIf.parse("ici_bw*2")), True),
+                                    ("h100", apply("h100", WhatIf.parse("hbm_bw*2")), True),
+                                    ("a100", load_spec("a100-40gb"), True)):
+        spec = load_spec(base)
+        plan = analyze(prog).fusion.plan(spec.compiler)
+        flash = plan.causal_seq > 0
+        t, t_other = group_times(plan, spec.with_stack(fsdp)), group_times(plan, other.with_stack(fsdp))
+        gemm_priced = group_times(plan, other.with_stack(dataclasses.replace(fsdp, attention_kernel="")))
+        assert other.kernel_chip == base and (t_other[flash] == t[flash]).all() == same_flash, other.name
+        assert (t_other[flash] != gemm_priced[flash]).any(), other.name
+
+
 def test_the_stack_changes_a_flash_step_and_not_a_naive_one():
     h100 = load_spec("h100")
     fsdp = h100.with_stack(mechanisms("pytorch-fsdp"))

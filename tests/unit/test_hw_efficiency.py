@@ -14,7 +14,7 @@ from partir_emu.hwmodels import load_spec
 from partir_emu.hwmodels.compute.efficiency import EfficiencySpec, hbm_fraction, matmul_efficiency, parse_efficiency
 from partir_emu.hwmodels.machine.specs import DATA_DIR, spec_from_dict
 
-PACKAGED = ["a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
+PACKAGED = ["a100", "a100-40gb", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
 
 
 def eff(spec: str, b, m, n, k) -> float:

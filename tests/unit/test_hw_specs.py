@@ -10,7 +10,7 @@ from partir_emu.errors import SpecError
 from partir_emu.hwmodels import list_specs, load_spec
 from partir_emu.hwmodels.machine.specs import DATA_DIR, GpuClusterSpec, TorusSpec
 
-PACKAGED = ["a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
+PACKAGED = ["a100", "a100-40gb", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p"]
 
 # (bf16 FLOP/s, HBM bytes, HBM B/s, link or NVLink B/s) from REFERENCE.md
 REFERENCE = {
@@ -19,6 +19,7 @@ REFERENCE = {
     "tpu-v5e": (197e12, 16e9, 819e9, 4.5e10),
     "tpu-v5p": (459e12, 95e9, 2765e9, 9e10),
     "a100": (312e12, 80e9, 2.0e12, 300e9),
+    "a100-40gb": (312e12, 40e9, 1.555e12, 300e9),      # NVIDIA A100 datasheet, the 40 GB SXM part
     "h100": (989e12, 80e9, 3.35e12, 450e9),
     "h200": (989e12, 141e9, 4.8e12, 450e9),
 }

@@ -120,7 +120,9 @@ def apply(hardware: str, what_if: WhatIf) -> HardwareSpec:
         return load_spec(hardware)
     raw = load_toml(find_spec(hardware), SpecError, "hardware spec")
     over = what_if.overrides(raw, str(raw.get("kind")), str(raw.get("name", hardware)))
-    over.update({"what_if": True, "name": f"{raw.get('name', hardware)}[{what_if.label}]"})
+    # the edited chip keeps the measured kernel rates of the chip it edits (they are looked up by name)
+    over.update({"what_if": True, "name": f"{raw.get('name', hardware)}[{what_if.label}]",
+                 "kernels_measured_as": str(raw.get("kernels_measured_as") or raw.get("name", hardware))})
     return load_spec(hardware, over)
 
 

@@ -65,7 +65,7 @@ def _measured_flash(plan: FusionPlan, spec: HardwareSpec) -> dict[int, float]:
     flops = np.bincount(plan.dot_group, weights=plan.dot_flops, minlength=plan.num_groups)
     out = {}
     for g in np.flatnonzero(plan.causal_seq).tolist():
-        rate = kernel.rate(spec.name, float(plan.causal_seq[g]), float(plan.flash_head_dim[g]), causal=True)
+        rate = kernel.rate(spec.kernel_chip, float(plan.causal_seq[g]), float(plan.flash_head_dim[g]), causal=True)
         if rate is not None:
             out[g] = float(flops[g]) * kernel.causal_credit / rate
     return out

@@ -86,7 +86,7 @@ _DCN = {"host_bw_bytes_per_s": ("float", True), "latency_s": ("float", True), "c
         "pcie_bw_bytes_per_s": ("float", True), "max_slices": ("int", True),
         "achieved_fraction": ("float", False), "overlaps_compute": ((True, False), False)}
 _TOP = {"name": ("str", True), "kind": (("tpu", "gpu"), True), "description": ("str", False),
-        "what_if": ((True, False), False)}
+        "what_if": ((True, False), False), "kernels_measured_as": ("str", False)}
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,14 @@ class HardwareSpec:
     efficiency: EfficiencySpec = EfficiencySpec()
     stack: StackSpec = XLA                  # the software stack the chip runs (``with_stack``)
     flops_fp8_per_s: float | None = None    # dense FP8 x FP8 matmul rate; None: the chip has no FP8 units
+    # the chip whose measured kernel rates (data/kernels/) apply to this one: "" for its own name (a
+    # variant of a measured part, e.g. the 40 GB A100; a what-if spec keeps its base chip's)
+    kernels_measured_as: str = ""
+
+    @property
+    def kernel_chip(self) -> str:
+        """The chip name measured kernel rates are looked up by (:mod:`..compute.attention_kernels`)."""
+        return self.kernels_measured_as or self.name
 
     def with_stack(self, stack: StackSpec) -> HardwareSpec:
         """This chip running ``stack`` (:mod:`partir_emu.hwmodels.compute.stack`)."""
@@ -347,6 +355,11 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
             raise SpecError(f"{where}: field {table!r} must be a table [{table}], got {type(sub).__name__}")
         vals[table] = _check_table(sub, fields, where, table + ".")
         sources.update({k[:-len("_source")]: v for k, v in sub.items() if k.endswith("_source")})
+    if "kernels_measured_as" in top:
+        if not str(data.get("kernels_measured_as_source", "")).strip() and not top.get("what_if", False):
+            raise SpecError(f"{where}: field kernels_measured_as_source is missing; say why the kernel rates measured "
+                            f"on {top['kernels_measured_as']!r} apply to this chip")
+        sources["kernels_measured_as"] = str(data.get("kernels_measured_as_source", "what-if of that chip"))
     if kind == "tpu" and isinstance(data.get("dcn"), dict):
         vals["dcn"] = _check_table(data["dcn"], _DCN, where, "dcn.")
         sources.update({f"dcn.{k[:-len('_source')]}": v for k, v in data["dcn"].items() if k.endswith("_source")})
@@ -386,4 +399,5 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
                         top.get("description", ""), where, sources,
                         compiler=parse_compiler(data.get("compiler"), where),
                         efficiency=parse_efficiency(data.get("efficiency"), where),
-                        flops_fp8_per_s=chip.get("flops_fp8_per_s"))
+                        flops_fp8_per_s=chip.get("flops_fp8_per_s"),
+                        kernels_measured_as=top.get("kernels_measured_as", ""))
