@@ -1,8 +1,9 @@
 """Tiny models from real model libraries, each with an optax AdamW training step and its Megatron
 patterns (issue 25 item 5; used by ``test_real_model_libraries.py``).
 
-The libraries and what comes from each: HF transformers' Flax models (GPT-2, GPT-Neo, Llama,
-Mistral, BERT, BART), penzai's transformer variants (llama-like, gemma-like, GPT-NeoX) and an
+The libraries and what comes from each: HF transformers' Flax models (decoders GPT-2, GPT-Neo,
+Llama, Mistral, OPT, BLOOM; encoders BERT, DistilBERT; seq2seq BART; vision ViT; speech Whisper),
+penzai's transformer variants (llama-like, gemma-like, GPT-NeoX) and an
 Equinox transformer LM built from ``eqx.nn`` layers. Every model is built by its library's own
 code at a tiny configuration, random init, nothing downloaded (``HF_HUB_OFFLINE=1``). HF's and
 penzai's parameters are drawn with numpy (normal, std 0.02; norm scales 1 + that) in the shapes
@@ -19,8 +20,9 @@ Megatron's patterns differ per library because the layouts do:
   gradient concatenates dq|dk|dv): its Megatron tiles the MLP and leaves attention replicated;
   :data:`GPT2_ATTENTION_MP` adds the attention, which lowers with the all-gathers and the
   warning that names the fused projection;
-- HF GPT-Neo, Llama, Mistral, BERT and BART use ``nn.Dense``: ``[in, out]`` (column-parallel
-  dim 1 with its bias dim 0, row-parallel dim 0);
+- HF GPT-Neo, Llama, Mistral, BERT, BART, OPT, DistilBERT, ViT and Whisper use ``nn.Dense``:
+  ``[in, out]`` (column-parallel dim 1 with its bias dim 0, row-parallel dim 0); so does BLOOM,
+  whose fused q|k|v is head-major (``[heads, 3, head_dim]``): unlike GPT-2's, it tiles;
 - penzai's weights are ``NamedArray``s, named ``.../query.weights/data_array``, with heads as
   their own axis (``[embedding, head_groups, query_heads, projection]``): tile the heads axis;
 - Equinox's ``Linear`` is ``[out, in]`` like GPT-2's Conv1D, without fusion.
@@ -28,6 +30,7 @@ Megatron's patterns differ per library because the layouts do:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -60,27 +63,38 @@ class Case:
     notes: str = ""
     # why verify's float64 reference still computes partly in float32 ("": it does not)
     float32_in_reference: str = ""
+    # the step's data arguments, each with the batch on dim 0 (bp tiles them on 'batch')
+    inputs: tuple[str, ...] = ("tokens",)
 
 
 def _tokens() -> np.ndarray:
     return np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
 
 
-def _lm_step(logits: Callable, params: Any) -> tuple[tuple, Callable]:
-    """``(params, opt_state, tokens)`` and a next-token AdamW step ``step(params, opt, tokens) ->
-    (loss, params, opt)`` over ``logits(params, tokens) -> [batch, seq, vocab]``."""
+def _train_step(loss_fn: Callable, params: Any, **data: np.ndarray) -> tuple[tuple, Callable]:
+    """``(params, opt_state, *data)`` and an AdamW step ``step(params, opt, *data) -> (loss, params,
+    opt)`` over ``loss_fn(params, *data)``; its data arguments are named as ``data``'s keys (the
+    program's input names, which the schedules' patterns match)."""
     tx = optax.adamw(1e-3)
 
-    def loss_fn(p, tokens):
-        out = logits(p, tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(out[:, :-1], tokens[:, 1:]).mean()
-
-    def step(params, opt, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    def step(params, opt, *batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
         updates, opt = tx.update(grads, opt, params)
         return loss, optax.apply_updates(params, updates), opt
 
-    return (params, tx.init(params), _tokens()), step
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    step.__signature__ = inspect.Signature([inspect.Parameter(n, positional) for n in ("params", "opt", *data)])
+    return (params, tx.init(params), *data.values()), step
+
+
+def _next_token_loss(out: Any, tokens: Any) -> Any:
+    return optax.softmax_cross_entropy_with_integer_labels(out[:, :-1], tokens[:, 1:]).mean()
+
+
+def _lm_step(logits: Callable, params: Any) -> tuple[tuple, Callable]:
+    """``(params, opt_state, tokens)`` and a next-token AdamW step ``step(params, opt, tokens) ->
+    (loss, params, opt)`` over ``logits(params, tokens) -> [batch, seq, vocab]``."""
+    return _train_step(lambda p, tokens: _next_token_loss(logits(p, tokens), tokens), params, tokens=_tokens())
 
 
 def _numpy_init(abstract: Any, seed: int = 0, std: float = 0.02) -> Any:
@@ -104,23 +118,40 @@ def _hf(cls_name: str, config: Callable[[Any], Any], call: str) -> Callable[[], 
         # without x64 (jax truncates it, with a warning per cast, silenced) and float64 with it
         with _float64_module_warnings():
             model = getattr(transformers, cls_name)(config(transformers), seed=0, _do_init=False, dtype=jnp.float64)
-            params = _numpy_init(jax.eval_shape(lambda: model.init_weights(jax.random.key(0), (1, SEQ))))
+            shape = model.input_shape if call in ("vision", "speech") else (1, SEQ)    # an image, a spectrogram
+            params = _numpy_init(jax.eval_shape(lambda: model.init_weights(jax.random.key(0), shape)))
         module = model.module
         pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ))
 
-        def logits(p, tok):
+        def apply(p, *args):
             with _float64_module_warnings():
-                return _logits(p, tok)
+                return module.apply({"params": p}, *args, deterministic=True).logits
 
-        def _logits(p, tok):
+        if call == "vision":       # ViT: NHWC pixels -> class logits; each image its own class
+            def classify(p, pixels):
+                out = apply(p, pixels)
+                return optax.softmax_cross_entropy_with_integer_labels(out, jnp.arange(BATCH) % out.shape[-1]).mean()
+            return _train_step(classify, params, pixels=_normal((BATCH, *model.input_shape[1:])))
+        if call == "speech":       # Whisper: [batch, mel bins, frames] features; the tokens on the decoder side
+            def transcribe(p, features, tokens):
+                return _next_token_loss(apply(p, features, tokens, jnp.ones_like(tokens), pos), tokens)
+            return _train_step(transcribe, params, features=_normal((BATCH, *model.input_shape[1:])), tokens=_tokens())
+
+        def logits(p, tok):
             ones = jnp.ones_like(tok)
             if call == "encoder":      # BERT: ids, mask, token types, positions, head mask
-                return module.apply({"params": p}, tok, ones, jnp.zeros_like(tok), pos, None, deterministic=True).logits
+                return apply(p, tok, ones, jnp.zeros_like(tok), pos, None)
             if call == "seq2seq":      # BART: the tokens on both sides
-                return module.apply({"params": p}, tok, ones, tok, ones, pos, pos, deterministic=True).logits
-            return module.apply({"params": p}, tok, ones, pos, deterministic=True).logits
+                return apply(p, tok, ones, tok, ones, pos, pos)
+            if call == "no-positions":     # BLOOM (ALiBi), DistilBERT: ids and mask
+                return apply(p, tok, ones)
+            return apply(p, tok, ones, pos)
         return _lm_step(logits, params)
     return build
+
+
+def _normal(shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(1).standard_normal(shape).astype(np.float32)
 
 
 @contextlib.contextmanager
@@ -146,6 +177,18 @@ _LLAMA_MP = {f"{_LLAMA}/self_attn/o_proj/kernel": 0, f"{_LLAMA}/self_attn/*_proj
 _LLAMA_FLOAT32 = "RMSNorm and attention weights cast to float32 by the library"
 _BERT = "params/bert/encoder/layer/*"
 _BART = "params/model/*/layers/*"
+
+
+def _dense_mp(layers: str) -> dict[str, int]:
+    """BART's layout (OPT, Whisper alike): ``*attn/{q,k,v,out}_proj``, ``fc1``, ``fc2`` under ``layers``."""
+    return {f"{layers}/*attn/out_proj/kernel": 0, f"{layers}/*attn/*_proj/kernel": 1,
+            f"{layers}/*attn/[qkv]_proj/bias": 0, f"{layers}/fc1/kernel": 1, f"{layers}/fc1/bias": 0,
+            f"{layers}/fc2/kernel": 0}
+
+
+_BLOOM = "params/transformer/h/*"
+_DISTILBERT = "params/distilbert/transformer/layer/*"
+_VIT = "params/vit/encoder/layer/*"
 
 # --- penzai -----------------------------------------------------------------------------------
 
@@ -280,10 +323,40 @@ CASES: dict[str, Case] = {
         vocab_size=VOCAB, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=2 * D, decoder_ffn_dim=2 * D, max_position_embeddings=16),
         "seq2seq"),
-        {f"{_BART}/*attn/out_proj/kernel": 0, f"{_BART}/*attn/*_proj/kernel": 1, f"{_BART}/*attn/[qkv]_proj/bias": 0,
-         f"{_BART}/fc1/kernel": 1, f"{_BART}/fc1/bias": 0, f"{_BART}/fc2/kernel": 0}, 5 * 2 + 5,
+        _dense_mp(_BART), 5 * 2 + 5,
         notes="self-attention and the decoder's cross-attention alike (5 pairs); +2 per self-attention and +1 "
               "for the cross-attention's k, v: input gradients reduced one by one, as BERT's"),
+    "hf-opt": Case("transformers", _hf("FlaxOPTForCausalLM", lambda t: t.OPTConfig(
+        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, ffn_dim=2 * D, num_attention_heads=4,
+        max_position_embeddings=16, word_embed_proj_dim=D), "lm"), _dense_mp("params/model/decoder/layers/*"), 2 * 4),
+    "hf-bloom": Case("transformers", _hf("FlaxBloomForCausalLM", lambda t: t.BloomConfig(
+        vocab_size=VOCAB, hidden_size=D, n_layer=2, n_head=4), "no-positions"),
+        {f"{_BLOOM}/self_attention/query_key_value/kernel": 1, f"{_BLOOM}/self_attention/query_key_value/bias": 0,
+         f"{_BLOOM}/self_attention/dense/kernel": 0, f"{_BLOOM}/mlp/dense_h_to_4h/kernel": 1,
+         f"{_BLOOM}/mlp/dense_h_to_4h/bias": 0, f"{_BLOOM}/mlp/dense_4h_to_h/kernel": 0}, 2 * 4,
+        notes="q|k|v fused as GPT-2's but head-major ([heads, 3, head_dim] on the fused dim): a tile of the fused "
+              "dim is whole heads' q, k and v, so Megatron tiles it without resharding",
+        float32_in_reference="ALiBi slopes and the attention softmax computed in float32 by the library"),
+    "hf-distilbert": Case("transformers", _hf("FlaxDistilBertForMaskedLM", lambda t: t.DistilBertConfig(
+        vocab_size=VOCAB, dim=D, n_layers=2, n_heads=4, hidden_dim=2 * D, max_position_embeddings=16), "no-positions"),
+        {f"{_DISTILBERT}/attention/out_lin/kernel": 0, f"{_DISTILBERT}/attention/*_lin/kernel": 1,
+         f"{_DISTILBERT}/attention/[qkv]_lin/bias": 0, f"{_DISTILBERT}/ffn/lin1/kernel": 1,
+         f"{_DISTILBERT}/ffn/lin1/bias": 0, f"{_DISTILBERT}/ffn/lin2/kernel": 0}, 2 * 4 + 2 * 2,
+        notes="post-LayerNorm as BERT: q, k and v's input gradients reduced one by one (+2 a layer)"),
+    "hf-vit": Case("transformers", _hf("FlaxViTForImageClassification", lambda t: t.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=2 * D, num_labels=10), "vision"),
+        {f"{_VIT}/attention/attention/*/kernel": 1, f"{_VIT}/attention/attention/*/bias": 0,
+         f"{_VIT}/attention/output/dense/kernel": 0, f"{_VIT}/intermediate/dense/kernel": 1,
+         f"{_VIT}/intermediate/dense/bias": 0, f"{_VIT}/output/dense/kernel": 0}, 2 * 4, inputs=("pixels",),
+        notes="pre-LayerNorm: q, k and v's input gradients meet before the norm, one all-reduce"),
+    "hf-whisper": Case("transformers", _hf("FlaxWhisperForConditionalGeneration", lambda t: t.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=2 * D, decoder_ffn_dim=2 * D, max_source_positions=8,
+        max_target_positions=16, decoder_start_token_id=0, pad_token_id=1, bos_token_id=0, eos_token_id=2), "speech"),
+        _dense_mp(_BART), 5 * 2 + 1, inputs=("features", "tokens"),
+        notes="BART's layout, pre-LayerNorm; +1: the cross-attention's k, v read the encoder's output, its q the "
+              "decoder's (two input gradients)"),
     "penzai-llama": Case("penzai", _penzai("llama"), _PZ_LLAMA_MP, 2 * 4),
     "penzai-gemma": Case("penzai", _penzai("gemma"), _PZ_GEMMA_MP, 2 * 4 + 2 * 2,
                          notes="MQA: key/value replicated, their gradients summed over the query heads "

@@ -1,9 +1,10 @@
 """Real model libraries partitioned as their users would (issue 25 item 5): HF transformers' Flax
-GPT-2, GPT-Neo, Llama, Mistral, BERT and BART, penzai's llama-, gemma- and GPT-NeoX-like
-transformers and an Equinox transformer LM (``real_models.py``: tiny, random init, an optax AdamW
-step), each under four strategies:
+GPT-2, GPT-Neo, Llama, Mistral, BERT, BART, OPT, BLOOM, DistilBERT, ViT and Whisper, penzai's
+llama-, gemma- and GPT-NeoX-like transformers and an Equinox transformer LM (``real_models.py``:
+tiny, random init, an optax AdamW step), each under four strategies:
 
-- **bp**: the tokens' batch dim on ``batch=4``; gradients all-reduced over ``batch`` and nothing else;
+- **bp**: the batch dim of the step's data (tokens; ViT's pixels; Whisper's features and tokens) on
+  ``batch=4``; gradients all-reduced over ``batch`` and nothing else;
 - **mp**: bp on ``batch=2`` and the library's Megatron patterns on ``model=2``: Megatron's
   all-reduces over ``model`` (one forward and one backward per column/row-parallel pair and
   layer), and no all-gather (the patterns need no resharding);
@@ -34,7 +35,6 @@ import partir_emu as pe  # noqa: E402
 from partir_emu.api import analytical_cost, lower_program  # noqa: E402
 from tests.integration.real_models import CASES, GPT2_ATTENTION_MP  # noqa: E402
 
-BP = pe.ManualPartition({"tokens": 0}, axis="batch", name="bp")
 STRATEGIES = ("bp", "mp", "z3", "bp+auto")
 
 
@@ -56,17 +56,23 @@ def _zero3(program, devices: int) -> dict[str, int]:
     return out
 
 
+def _bp(model: str) -> pe.ManualPartition:
+    """The batch dim of the step's data arguments (tokens, pixels, features) on ``batch``."""
+    return pe.ManualPartition({name: 0 for name in CASES[model].inputs}, axis="batch", name="bp")
+
+
 def _schedule(model: str, strategy: str):
     _, _, program = _built(model)
+    bp = _bp(model)
     if strategy == "bp":
-        return pe.Mesh(batch=4), [BP]
+        return pe.Mesh(batch=4), [bp]
     if strategy == "mp":
-        return pe.Mesh(batch=2, model=2), [BP, pe.ManualPartition(CASES[model].megatron, axis="model", name="megatron")]
+        return pe.Mesh(batch=2, model=2), [bp, pe.ManualPartition(CASES[model].megatron, axis="model", name="megatron")]
     if strategy == "z3":
-        return pe.Mesh(batch=4), [BP, pe.ManualPartition(_zero3(program, 4), axis="batch", name="z3")]
+        return pe.Mesh(batch=4), [bp, pe.ManualPartition(_zero3(program, 4), axis="batch", name="z3")]
     mesh = pe.Mesh(batch=2, model=2)
-    peak = analytical_cost(pe.AutomaticPartition("model"))(lower_program(program, mesh, [BP]).spmd).peak_bytes
-    return mesh, [BP, pe.AutomaticPartition("model", memory_limit=peak - 1, budget=12)]
+    peak = analytical_cost(pe.AutomaticPartition("model"))(lower_program(program, mesh, [bp]).spmd).peak_bytes
+    return mesh, [bp, pe.AutomaticPartition("model", memory_limit=peak - 1, budget=12)]
 
 
 def _collectives(spmd) -> Counter:
@@ -111,7 +117,7 @@ def test_gpt2_attention_megatron_warns_of_the_fused_projection_and_still_verifie
     """Megatron's attention on GPT-2's fused ``c_attn`` (q|k|v on one dim): the PartitionWarning
     names the fused projection as the cause, the program gathers over ``model``, and it is right."""
     args, step, _ = _built("hf-gpt2")
-    schedule = [BP, pe.ManualPartition({**CASES["hf-gpt2"].megatron, **GPT2_ATTENTION_MP}, axis="model")]
+    schedule = [_bp("hf-gpt2"), pe.ManualPartition({**CASES["hf-gpt2"].megatron, **GPT2_ATTENTION_MP}, axis="model")]
     jitted = pe.jit(step, mesh=pe.Mesh(batch=2, model=2), schedule=schedule)
     with pytest.warns(pe.PartitionWarning, match="fused q|k|v projection"):
         spmd = jitted.lower(*args).spmd
@@ -125,10 +131,14 @@ def test_the_tier_covers_eight_models_of_three_libraries():
     assert len(CASES) >= 8 and len(libraries) >= 3, libraries
 
 
-def test_hf_flax_t5_does_not_run_on_this_jax():
-    """Why T5 is not in the tier: transformers 4.57's Flax T5 calls ``jnp.clip(x, a_max=...)``,
-    which jax no longer takes. When this fails, T5 runs: add it to ``real_models.CASES``."""
+@pytest.mark.parametrize("cls, config", [("FlaxT5ForConditionalGeneration", "T5Config"),
+                                         ("FlaxMT5ForConditionalGeneration", "MT5Config"),
+                                         ("FlaxLongT5ForConditionalGeneration", "LongT5Config")])
+def test_hf_flax_t5_does_not_run_on_this_jax(cls, config):
+    """Why T5, MT5 and LongT5 are not in the tier: transformers 4.57's Flax T5 family calls
+    ``jnp.clip(x, a_max=...)``, which jax no longer takes. When this fails, the model runs: add it
+    to ``real_models.CASES``."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    cfg = getattr(transformers, config)(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     with pytest.raises(TypeError, match="a_max"):
-        transformers.FlaxT5ForConditionalGeneration(cfg, _do_init=False)
+        getattr(transformers, cls)(cfg, _do_init=False)
