@@ -184,35 +184,50 @@ class Jitted:
         ours = _numpy_leaves(self(*args))
         jitted = jax.jit(self.fn)
         baseline = _numpy_leaves(jitted(*args))
-        wide = [_widened(x) for x in jax.tree_util.tree_leaves(args)]
+        leaves = jax.tree_util.tree_leaves(args)
         with jax.enable_x64(True):
-            wide_args = jax.tree_util.tree_unflatten(low.in_tree, wide)
             try:
-                reference = _narrowed_floats(jitted.trace(*wide_args).jaxpr)
-                ref64 = _numpy_leaves(jitted(*wide_args))
+                reference, ref64 = _float64_reference(jitted, low.in_tree, [_widened(x) for x in leaves])
             except (TypeError, ValueError) as exc:
-                raise TraceError(
-                    f"verify: {getattr(self.fn, '__name__', 'the step')} fails on its arguments cast to float64 "
-                    f"under jax's 64-bit mode, which verify's float64 reference is: {_first_lines(exc)} "
-                    "A module that fixed its dtype to float32 when it was built casts there while the rest "
-                    "computes in float64 (flax.nnx.Embed takes its embedding's dtype at construction): build "
-                    "such modules with dtype=jnp.float64 (float32 without x64, float64 with it), or judge "
-                    "the step by calling it and comparing with jax.jit yourself") from exc
+                try:     # int32 indices beside Python ints (int64 under x64): widen the integers too
+                    reference, ref64 = _float64_reference(jitted, low.in_tree, [_widened(x, True) for x in leaves])
+                except (TypeError, ValueError):
+                    raise TraceError(
+                        f"verify: {getattr(self.fn, '__name__', 'the step')} fails on its arguments cast to "
+                        f"float64 under jax's 64-bit mode, which verify's float64 reference is: {_first_lines(exc)} "
+                        "A module that fixed its dtype to float32 when it was built casts there while the rest "
+                        "computes in float64 (flax.nnx.Embed takes its embedding's dtype at construction): build "
+                        "such modules with dtype=jnp.float64 (float32 without x64, float64 with it), or judge "
+                        "the step by calling it and comparing with jax.jit yourself") from exc
         program = low.program
         verdict = judge(ours, baseline, ref64, program.output_names, reduction_length(program),
                         others=other_orders(program, flat), precision=compute_precision(program))
         return dataclasses.replace(verdict, reference=reference)
 
 
-def _widened(x: Any) -> Any:
+def _float64_reference(jitted: Any, in_tree: Any, wide: list) -> tuple[str, list[np.ndarray]]:
+    """Where the step on the widened leaves ``wide`` computes narrower than float64, and its outputs
+    (jax's 64-bit mode on: the caller's)."""
+    wide_args = _jax().tree_util.tree_unflatten(in_tree, wide)
+    return _narrowed_floats(jitted.trace(*wide_args).jaxpr), _numpy_leaves(jitted(*wide_args))
+
+
+def _widened(x: Any, ints: bool = False) -> Any:
     """An argument leaf for the float64 reference: floats cast up, a weakly typed scalar as the Python
     scalar it was made from (under x64 jax makes it weak again, in the 64-bit type of its kind, as the
     step's own scalars are: Equinox's state compares the two), anything else (ints, typed PRNG keys)
-    the caller's own."""
+    the caller's own; with ``ints``, signed integers as int64 too, for a step that fails under x64
+    with its own: HF's Flax KV caches keep their index int32 and slice with it beside Python ints,
+    which x64 makes int64, and ``lax.dynamic_slice`` refuses the mix. Unsigned ones (PRNG key data,
+    bit patterns) stay: their wrap-around is their meaning; integer outputs are judged against
+    ``jax.jit``'s, exactly, not against this reference."""
     jax = _jax()
     if getattr(x, "weak_type", False) and np.ndim(x) == 0:
         return np.asarray(x).item()
-    return np.asarray(x, np.float64) if jax.dtypes.issubdtype(getattr(x, "dtype", None), np.floating) else x
+    dtype = getattr(x, "dtype", None)
+    if ints and dtype is not None and jax.dtypes.issubdtype(dtype, np.signedinteger):
+        return np.asarray(x, np.int64)
+    return np.asarray(x, np.float64) if jax.dtypes.issubdtype(dtype, np.floating) else x
 
 
 def _first_lines(exc: Exception, n: int = 2) -> str:

@@ -100,3 +100,20 @@ def test_verify_names_a_float64_reference_that_computed_in_float32():
     assert "reference computed in float32" in verdict.summary()
     step, args = _step_and_args()
     assert _jitted(step).verify(*args).reference == "float64"
+
+
+def test_verify_widens_int32_indices_that_the_step_slices_with_beside_python_ints():
+    """HF's Flax KV-cache decode (Llama's) keeps its cache index int32 and slices with it beside
+    Python int literals, which jax's 64-bit mode makes int64: ``lax.dynamic_slice`` refuses the mix,
+    so the step fails under x64 on its own arguments. The float64 reference widens its signed
+    integer arguments too (before, verify raised a TraceError and gave no verdict)."""
+    def decode(cache, index):
+        window = jax.lax.dynamic_slice(cache, (0, index, 0), (cache.shape[0], 2, cache.shape[2]))
+        return jnp.tanh(window).sum(1), index + 1
+
+    cache, index = np.random.default_rng(2).standard_normal((4, 8, 3)).astype(np.float32), np.int32(3)
+    with jax.enable_x64(True), pytest.raises(TypeError, match="dynamic_slice"):
+        jax.jit(decode)(cache.astype(np.float64), index)
+    jitted = pe.jit(decode, mesh=pe.Mesh(batch=2), schedule=[pe.ManualPartition({"cache": 0}, axis="batch")])
+    verdict = jitted.verify(cache, index)
+    assert verdict.verified and verdict.reference == "float64", verdict.summary()
