@@ -38,8 +38,8 @@ EXTENDED: dict[str, str] = {
         "[bp+mp] over MPI; test_microbatches.py every strategy in process",
     "tests/mpi/test_bf16_mpi.py::test_bf16_mpi_equals_local_mesh[ring-batch+model-batch=2,model=2-4dev-1perrank]":
         "[ring-batch-batch=4-4dev-1perrank]",
-    # real model libraries: the gate keeps 8 of the 15 (HF GPT-2, Llama, BERT, BART; penzai llama, gemma,
-    # GPT-NeoX; equinox), issue 25's floor
+    # real model libraries: the gate keeps 10 of the 21 (HF GPT-2, Llama, BERT, BART; penzai llama, gemma,
+    # GPT-NeoX; equinox; haiku's layer stack; keras), issue 25's floor
     "tests/integration/test_real_model_libraries.py::test_a_real_library_model_verifies_with_the_expected_"
     "collectives[hf-gpt-neo-": "[hf-gpt2-*]",
     "tests/integration/test_real_model_libraries.py::test_a_real_library_model_verifies_with_the_expected_"
@@ -54,6 +54,14 @@ EXTENDED: dict[str, str] = {
            ("distilbert", "[hf-bert-*] (post-LayerNorm encoder)"),
            ("vit", "[hf-bert-*]; test_conv.py (the patch convolution)"),
            ("whisper", "[hf-bart-*] (seq2seq, cross-attention); test_conv.py (its 1-d convolutions)"))},
+    # more libraries' forms (real_models_more.py): the gate keeps keras-lm and haiku-layer-stack (the two
+    # libraries new to the tier); these repeat a library or a mechanism the gate has
+    **{f"tests/integration/test_real_model_libraries.py::test_a_real_library_model_verifies_with_the_expected_"
+       f"collectives[{m}-": gated for m, gated in (
+           ("haiku-lm", "[haiku-layer-stack-*] (haiku's transform), [keras-lm-*] (attention with a heads axis)"),
+           ("nnx-scan-remat", "[haiku-layer-stack-*] (a scanned layer stack); test_auto_flax.py (flax)"),
+           ("penzai-llama-stack", "[penzai-llama-*] (the same model unstacked), [haiku-layer-stack-*]"),
+           ("equinox-rope", "[equinox-lm-*]; test_primitives_of_flax_optax_equinox.py"))},
     # the automatic search against every manual strategy on the larger meshes
     "tests/integration/test_auto_scenarios.py::test_bp_auto_is_priced_no_higher_than_any_manual_strategy[gns-full-4-pays]":
         "[gns-tiny-2]",

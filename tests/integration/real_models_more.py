@@ -1,17 +1,19 @@
 """More real-library language models for the tier of ``test_real_model_libraries.py`` (issue 25:
 "we hold other libraries and models back"), in its :class:`~tests.integration.real_models.Case`
-form, **not wired into** ``CASES``: haiku and keras/keras-hub are not test dependencies yet.
+form; :data:`ALL_CASES` is the tier (these and ``real_models.CASES``).
 
 - **haiku** (dm-haiku 0.0.17): a transformer LM from ``hk.Embed``, ``hk.MultiHeadAttention``
   (``query``/``key``/``value``/``linear``, ``w`` as ``[in, out]``), ``hk.LayerNorm``, ``hk.Linear``;
   and an MLP stack under ``hk.layer_stack`` (one ``lax.scan``; every weight has the layer dim
   first, so Megatron's dims are one later);
-- **keras-hub** 0.32 on keras 3.15 (``KERAS_BACKEND=jax``; installed ``--no-deps`` plus ``regex``:
-  its tensorflow-text dependency serves only the tokenizers): GPT-2, Gemma and Llama causal LMs,
-  applied through ``model.stateless_call``; ``EinsumDense`` kernels keep heads as their own axis
-  (``query/kernel [hidden, heads, head_dim]``, ``attention_output/kernel [heads, head_dim,
-  hidden]``), Gemma's ``query [heads, hidden, head_dim]``. Keras layers compute in their dtype
-  policy (float32) whatever their inputs: the float64 reference is float32 there;
+- **keras** 3 (``KERAS_BACKEND=jax``): a functional transformer LM from ``keras.layers``
+  (``Embedding``, ``MultiHeadAttention``, ``LayerNormalization``, ``Dense``), applied through
+  ``model.stateless_call``; ``MultiHeadAttention``'s ``EinsumDense`` kernels keep heads as their own
+  axis (``query/kernel [hidden, heads, head_dim]``, ``attention_output/kernel [heads, head_dim,
+  hidden]``). Keras layers compute in their dtype policy (float32) whatever their inputs: the float64
+  reference is float32 there. (keras-hub's GPT-2, Gemma and Llama causal LMs, built the same way,
+  verified under the four strategies when probed; keras-hub is not a test dependency: it requires
+  tensorflow-text);
 - **flax.nnx** (flax already is a dependency): an LM whose blocks are made by ``nnx.vmap`` and run
   by ``nnx.scan`` under ``nnx.remat``, applied by ``nnx.merge`` from a pure dict; its ``nnx.Embed``
   gets ``dtype=jnp.float64`` (float32 without x64), else it fixes float32 at construction and the
@@ -35,7 +37,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")      # keras picks its backend whe
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tests.integration.real_models import BATCH, SEQ, VOCAB, Case, D, _lm_step, _numpy_init  # noqa: E402
+from tests.integration.real_models import BATCH, CASES, SEQ, VOCAB, Case, D, _lm_step, _numpy_init  # noqa: E402
 
 # --- haiku ------------------------------------------------------------------------------------
 
@@ -71,42 +73,34 @@ def _haiku_layer_stack():
     return _lm_step(f.apply, f.init(jax.random.key(0), np.zeros((BATCH, SEQ), np.int32)))
 
 
-# --- keras-hub ------------------------------------------------------------------------------------
+# --- keras 3 -------------------------------------------------------------------------------------
 
 
-def _keras_hub(model: str):
-    def build():
-        import keras
-        import keras_hub
-        keras.utils.set_random_seed(0)
-        common = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=D)
-        if model == "gpt2":
-            bb = keras_hub.models.GPT2Backbone(num_heads=4, intermediate_dim=2 * D, max_sequence_length=16,
-                                               dropout=0.0, **common)
-            lm = keras_hub.models.GPT2CausalLM(backbone=bb, preprocessor=None)
-        elif model == "gemma":
-            bb = keras_hub.models.GemmaBackbone(num_query_heads=4, num_key_value_heads=1, intermediate_dim=4 * D,
-                                                head_dim=8, **common)
-            lm = keras_hub.models.GemmaCausalLM(backbone=bb, preprocessor=None)
-        else:
-            bb = keras_hub.models.LlamaBackbone(num_query_heads=4, num_key_value_heads=2, intermediate_dim=2 * D,
-                                                **common)
-            lm = keras_hub.models.LlamaCausalLM(backbone=bb, preprocessor=None)
-        tok = np.zeros((BATCH, SEQ), np.int32)
-        lm({"token_ids": tok, "padding_mask": np.ones_like(tok, bool)})          # builds the variables
-        names = [v.path for v in lm.trainable_variables]
-        assert not lm.non_trainable_variables and len(set(names)) == len(names), names
-        params = {n: np.asarray(v.value) for n, v in zip(names, lm.trainable_variables)}
+def _keras_lm():
+    import keras
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    tok_in = keras.Input((SEQ,), dtype="int32")
+    x = layers.Embedding(VOCAB, D, name="embed")(tok_in)
+    for i in range(2):
+        h = layers.LayerNormalization(name=f"ln1_{i}")(x)
+        x = layers.Add()([x, layers.MultiHeadAttention(4, D // 4, name=f"attn_{i}")(h, h, use_causal_mask=True)])
+        h = layers.LayerNormalization(name=f"ln2_{i}")(x)
+        up = layers.Dense(4 * D, activation="gelu", name=f"up_{i}")(h)
+        x = layers.Add()([x, layers.Dense(D, name=f"down_{i}")(up)])
+    lm = keras.Model(tok_in, layers.Dense(VOCAB, name="head")(x))
+    names = [v.path for v in lm.trainable_variables]
+    assert not lm.non_trainable_variables and len(set(names)) == len(names), names
+    params = {n: np.asarray(v.value) for n, v in zip(names, lm.trainable_variables)}
 
-        def logits(p, t):
-            inputs = {"token_ids": t, "padding_mask": jnp.ones_like(t, bool)}
-            return lm.stateless_call([p[n] for n in names], [], inputs, training=False)[0]
-        return _lm_step(logits, params)
-    return build
+    def logits(p, t):
+        return lm.stateless_call([p[n] for n in names], [], t, training=False)[0]
+    return _lm_step(logits, params)
 
 
-_KH = "params/transformer_layer_*"
-_KH_GEMMA = "params/decoder_block_*"
+# keras' MultiHeadAttention keeps heads as their own axis: query/key/value kernels [hidden, heads,
+# head_dim] (biases [heads, head_dim]), attention_output [heads, head_dim, hidden]
+_KERAS = "params/attn_*"
 _KERAS_FLOAT32 = "keras layers compute in their dtype policy (float32)"
 
 # --- flax.nnx ---------------------------------------------------------------------------------------
@@ -236,22 +230,10 @@ MORE_CASES: dict[str, Case] = {
     "haiku-layer-stack": Case("haiku", _haiku_layer_stack,
                               {"params/*/up/w": 2, "params/*/up/b": 1, "params/*/down/w": 1}, 3 * 2,
                               notes="an MLP stack (no attention): one pair a layer"),
-    "keras-hub-gpt2": Case("keras-hub", _keras_hub("gpt2"),
-                           {f"{_KH}/self_attention/attention_output/kernel": 0, f"{_KH}/self_attention/*/kernel": 1,
-                            f"{_KH}/self_attention/[qkv]*/bias": 0, f"{_KH}/feedforward_intermediate_dense/kernel": 1,
-                            f"{_KH}/feedforward_intermediate_dense/bias": 0,
-                            f"{_KH}/feedforward_output_dense/kernel": 0}, 2 * 4,
-                           float32_in_reference=_KERAS_FLOAT32),
-    "keras-hub-gemma": Case("keras-hub", _keras_hub("gemma"),
-                            {f"{_KH_GEMMA}/attention/attention_output/kernel": 0,
-                             f"{_KH_GEMMA}/attention/query/kernel": 0, f"{_KH_GEMMA}/ffw_linear/kernel": 0,
-                             f"{_KH_GEMMA}/ffw_gating*/kernel": 1}, 2 * 4 + 2 * 2,
-                            notes="MQA: key/value replicated, their gradients summed over the query heads (+2 a layer)",
-                            float32_in_reference=_KERAS_FLOAT32),
-    "keras-hub-llama": Case("keras-hub", _keras_hub("llama"),
-                            {f"{_KH}/self_attention/attention_output/kernel": 0, f"{_KH}/self_attention/*/kernel": 1,
-                             f"{_KH}/feedforward_output_dense/kernel": 0, f"{_KH}/feedforward_*/kernel": 1}, 2 * 4,
-                            float32_in_reference=_KERAS_FLOAT32),
+    "keras-lm": Case("keras", _keras_lm,
+                     {f"{_KERAS}/attention_output/kernel": 0, f"{_KERAS}/*/kernel": 1, f"{_KERAS}/[qkv]*/bias": 0,
+                      "params/up_*/kernel": 1, "params/up_*/bias": 0, "params/down_*/kernel": 0}, 2 * 4,
+                     float32_in_reference=_KERAS_FLOAT32),
     "nnx-scan-remat": Case("flax.nnx", _nnx_scan_remat,
                            {"params/blocks/up/kernel": 2, "params/blocks/up/bias": 1,
                             "params/blocks/down/kernel": 1}, 3 * 2, notes="an MLP stack: one pair a layer"),
@@ -265,3 +247,5 @@ MORE_CASES: dict[str, Case] = {
                           f"{_EQX}/up/weight": 0, f"{_EQX}/up/bias": 0, f"{_EQX}/down/weight": 1}, 2 * 4 + 2,
                          float32_in_reference="Equinox's RotaryPositionalEmbedding computes its sin/cos in float32"),
 }
+
+ALL_CASES: dict[str, Case] = {**CASES, **MORE_CASES}

@@ -1,7 +1,10 @@
 """Real model libraries partitioned as their users would (issue 25 item 5): HF transformers' Flax
 GPT-2, GPT-Neo, Llama, Mistral, BERT, BART, OPT, BLOOM, DistilBERT, ViT and Whisper, penzai's
-llama-, gemma- and GPT-NeoX-like transformers and an Equinox transformer LM (``real_models.py``:
-tiny, random init, an optax AdamW step), each under four strategies:
+llama-, gemma- and GPT-NeoX-like transformers and an Equinox transformer LM (``real_models.py``),
+and (``real_models_more.py``) a haiku transformer LM and ``hk.layer_stack``, a keras 3 functional
+transformer LM, a flax.nnx ``nnx.scan``/``nnx.remat`` stack, penzai's llama with its layer stack and
+an Equinox LM with rotary embeddings under ``filter_checkpoint`` (tiny, random init, an optax AdamW
+step), each under four strategies:
 
 - **bp**: the batch dim of the step's data (tokens; ViT's pixels; Whisper's features and tokens) on
   ``batch=4``; gradients all-reduced over ``batch`` and nothing else;
@@ -21,6 +24,7 @@ float32 and float64, most of a model's time), are made once and shared by its fo
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections import Counter
 
@@ -30,10 +34,14 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("transformers")
 pytest.importorskip("penzai")
 pytest.importorskip("equinox")
+pytest.importorskip("haiku")
+os.environ.setdefault("KERAS_BACKEND", "jax")     # keras picks its backend when first imported
+pytest.importorskip("keras")
 
 import partir_emu as pe  # noqa: E402
 from partir_emu.api import analytical_cost, lower_program  # noqa: E402
-from tests.integration.real_models import CASES, GPT2_ATTENTION_MP  # noqa: E402
+from tests.integration.real_models import GPT2_ATTENTION_MP  # noqa: E402
+from tests.integration.real_models_more import ALL_CASES as CASES  # noqa: E402
 
 STRATEGIES = ("bp", "mp", "z3", "bp+auto")
 
