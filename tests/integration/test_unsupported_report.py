@@ -66,6 +66,22 @@ def test_a_primitive_emitted_inside_flax_points_at_the_users_line():
     assert "site-packages" not in msg
 
 
+def test_a_primitive_emitted_inside_keras_points_at_the_users_line():
+    """keras' ``ops.while_loop`` (a run-time trip count: unsupported) runs inside keras' jax backend:
+    the report names this file's line, not keras/src/backend/jax/core.py."""
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras")
+
+    def step(x):
+        return keras.ops.while_loop(lambda v: keras.ops.sum(v) < 100.0, lambda v: (v * 2.0,), (x,))[0]  # <kwhile>
+
+    with pytest.raises(UnsupportedPrimitiveError) as err:
+        trace(step, X)
+    msg = str(err.value)
+    assert f"{__file__}:{_line('kwhile')} (" in msg and "site-packages" not in msg, msg
+
+
 def test_advice_for_a_dynamic_while_can_be_followed():
     text = advice("while")
     assert "not supported yet" in text and "Python" in text and "for` loop" in text and "fori_loop" in text, text

@@ -19,7 +19,8 @@ from jax._src import source_info_util
 from partir_emu.errors import UnsupportedPrimitiveError
 
 # Libraries whose frames are never the user's (when they are imported at all).
-LIBRARIES = ("flax", "optax", "equinox", "jaxtyping", "chex", "haiku")
+LIBRARIES = ("flax", "optax", "equinox", "jaxtyping", "chex", "haiku", "transformers", "penzai", "keras", "keras_hub",
+             "levanter", "haliax", "praxis")
 _LOOPS = {"while"}    # scan is a loop equation and cond a select (compiler.trace_loops)
 _FRAMES_SHOWN = 3
 
