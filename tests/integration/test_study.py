@@ -131,3 +131,23 @@ def test_a_mesh_that_does_not_lower_is_reported(tmp_path, capsys):
                  "--sensitivity-top", "0"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"batch=1,model=8 batch=16: does not lower: .*heads", out), out
+
+
+def test_a_capacity_what_if_reuses_the_as_is_search_and_report():
+    """``hbm_gb=...`` alone changes what fits, not a time: its configurations take the report of the
+    same program on the spec as it is (``timing_twin``), with ``fits`` and the capacity its own;
+    ``ici_bw*2`` is priced anew."""
+    from partir_emu.app.study.evaluate import Study
+    from partir_emu.app.study.space import grid
+    from partir_emu.app.study.whatif import WhatIf
+
+    configs = grid("transformer", "tiny", "batch=16", "bp", "batch=8", None, ["tpu-v4"],
+                   [WhatIf.parse("hbm_gb=1e-6"), WhatIf.parse("ici_bw*2")])    # after the spec as it is
+    study = Study()
+    rows = study.run(configs)
+    assert [r.config.what_if.label for r in rows] == ["as is", "hbm_gb=1e-06", "ici_bw*2"]
+    assert len(study._twins) == 2                         # as is (reused by hbm_gb) and ici_bw*2
+    as_is, small, fast = rows
+    assert small.sim.step_s == as_is.sim.step_s and small.placement is as_is.placement
+    assert as_is.sim.fits and not small.sim.fits and small.sim.hbm_bytes == 1000 and small.sim.spec.endswith("]")
+    assert fast.sim.step_s < as_is.sim.step_s

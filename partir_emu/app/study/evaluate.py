@@ -186,7 +186,7 @@ class Study:
 def timing_twin(spec: Any) -> Any:
     """``spec`` without what only decides what fits (its name and HBM capacity): two specs equal here
     price every kernel and transfer alike (the analytical model reads ``hbm_bytes`` only for ``fits``)."""
-    return dataclasses.replace(spec, name="", hbm_bytes=0, path="", description="")
+    return dataclasses.replace(spec, name="", hbm_bytes=0, path="", description="", kernels_measured_as=spec.kernel_chip)
 
 
 def sensitivity(study: Study, row: Row, factor: float = 2.0) -> dict[str, float]:
