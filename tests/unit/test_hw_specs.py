@@ -133,6 +133,14 @@ def test_gpu_spec_checks(tmp_path):
         load_spec(p)
 
 
+def test_kernels_measured_as_needs_its_source(tmp_path):
+    src = (DATA_DIR / "a100-40gb.toml").read_text()
+    no_source = "\n".join(ln for ln in src.splitlines() if not ln.startswith("kernels_measured_as_source"))
+    with pytest.raises(SpecError, match=r"a40.toml: field kernels_measured_as_source is missing"):
+        load_spec(_write(tmp_path, "a40", no_source))
+    assert load_spec("a100-40gb").kernel_chip == "a100" and load_spec("a100").kernel_chip == "a100"
+
+
 def test_cube_rule_needs_cube(tmp_path):
     src = (DATA_DIR / "tpu-v4.toml").read_text().replace("cube = [4, 4, 4]\n", "")
     with pytest.raises(SpecError, match=r"field topology.cube is missing"):

@@ -139,8 +139,7 @@ class Study:
             twin = self._twins.get(twin_key)
             if twin is not None:         # priced on a spec that times every kernel and transfer alike
                 placement, sim = twin
-                sim = dataclasses.replace(
-                    sim, spec=spec.name, hbm_bytes=spec.hbm_bytes, fits=sim.peak_bytes_per_device <= spec.fits_bytes)
+                sim = _renamed(sim, spec)
             else:
                 self.analyse(spmd, spec)
                 # prune: the study keeps the best placement only (the same one, not every candidate's step)
@@ -181,6 +180,15 @@ class Study:
             if on_row is not None:
                 on_row(i, rows[-1])
         return rows
+
+
+def _renamed(sim: Any, spec: Any) -> Any:
+    """A twin's report (:func:`timing_twin`) for ``spec``: its name where the topology and placement
+    name the chip, its HBM capacity and what fits in it."""
+    topology = spec.name + sim.topology[len(sim.spec):] if sim.topology.startswith(sim.spec + " ") else sim.topology
+    return dataclasses.replace(sim, spec=spec.name, topology=topology,
+                               placement=sim.placement.replace(f" on {sim.topology}", f" on {topology}"),
+                               hbm_bytes=spec.hbm_bytes, fits=sim.peak_bytes_per_device <= spec.fits_bytes)
 
 
 def timing_twin(spec: Any) -> Any:

@@ -33,6 +33,14 @@ def check_ranges(vals: Mapping[str, Mapping[str, Any]], where: str) -> None:
                                     f"of the spec for a study beyond real hardware")
 
 
+def top_source(data: Mapping[str, Any], key: str, where: str) -> str:
+    """The ``<key>_source`` of a top-level field; a what-if spec (``what_if = true``) may leave it out."""
+    src = str(data.get(f"{key}_source", "")).strip()
+    if not src and not data.get("what_if", False):
+        raise SpecError(f"{where}: field {key}_source is missing; say where {key} = {data.get(key)!r} comes from")
+    return src or "a what-if of that chip"
+
+
 def check_table(sub: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]], where: str, prefix: str,
                  allow_tables: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}

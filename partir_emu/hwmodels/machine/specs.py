@@ -52,6 +52,7 @@ from partir_emu.hwmodels.compute.efficiency import CompilerSpec, EfficiencySpec,
 from partir_emu.hwmodels.compute.stack import XLA, StackSpec
 from partir_emu.hwmodels.machine.spec_fields import check_ranges as _check_ranges
 from partir_emu.hwmodels.machine.spec_fields import check_table as _check_table
+from partir_emu.hwmodels.machine.spec_fields import top_source
 from partir_emu.limits import load_toml
 
 DATA_DIR = Path(__file__).parents[1] / "data"
@@ -181,13 +182,11 @@ class HardwareSpec:
     efficiency: EfficiencySpec = EfficiencySpec()
     stack: StackSpec = XLA                  # the software stack the chip runs (``with_stack``)
     flops_fp8_per_s: float | None = None    # dense FP8 x FP8 matmul rate; None: the chip has no FP8 units
-    # the chip whose measured kernel rates (data/kernels/) apply to this one: "" for its own name (a
-    # variant of a measured part, e.g. the 40 GB A100; a what-if spec keeps its base chip's)
-    kernels_measured_as: str = ""
+    kernels_measured_as: str = ""           # whose measured kernel rates apply (a what-if: its base chip's)
 
     @property
     def kernel_chip(self) -> str:
-        """The chip name measured kernel rates are looked up by (:mod:`..compute.attention_kernels`)."""
+        """The chip measured kernel rates (data/kernels/) are looked up by: this one unless it says another."""
         return self.kernels_measured_as or self.name
 
     def with_stack(self, stack: StackSpec) -> HardwareSpec:
@@ -355,11 +354,8 @@ def spec_from_dict(data: Mapping[str, Any], where: str = "<dict>") -> HardwareSp
             raise SpecError(f"{where}: field {table!r} must be a table [{table}], got {type(sub).__name__}")
         vals[table] = _check_table(sub, fields, where, table + ".")
         sources.update({k[:-len("_source")]: v for k, v in sub.items() if k.endswith("_source")})
-    if "kernels_measured_as" in top:
-        if not str(data.get("kernels_measured_as_source", "")).strip() and not top.get("what_if", False):
-            raise SpecError(f"{where}: field kernels_measured_as_source is missing; say why the kernel rates measured "
-                            f"on {top['kernels_measured_as']!r} apply to this chip")
-        sources["kernels_measured_as"] = str(data.get("kernels_measured_as_source", "what-if of that chip"))
+    if "kernels_measured_as" in top:        # a what-if spec keeps its base chip's without a source
+        sources["kernels_measured_as"] = top_source(data, "kernels_measured_as", where)
     if kind == "tpu" and isinstance(data.get("dcn"), dict):
         vals["dcn"] = _check_table(data["dcn"], _DCN, where, "dcn.")
         sources.update({f"dcn.{k[:-len('_source')]}": v for k, v in data["dcn"].items() if k.endswith("_source")})
