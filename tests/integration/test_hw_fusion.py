@@ -266,3 +266,27 @@ def test_eager_stack_runs_each_framework_op_as_one_kernel():
     xla = analyze(p).fusion.plan(GPU)
     assert groups(p, xla) == groups(untagged, analyze(untagged).fusion.plan(GPU))
     assert xla.bytes.tolist() == analyze(untagged).fusion.plan(GPU).bytes.tolist() and xla.hand_kernels == 0
+
+
+def test_fusion_cache_keys_on_every_compiler_field_fuse_reads():
+    """A program's FusionCache keeps one plan per ``CompilerSpec.variant``: asked for TPU, then GPU, then
+    TPU again, each is the plan ``fuse`` makes afresh (no stale plan of the other chip's compiler), and
+    every field but the launch overhead (which prices kernels, never groups them) changes the key."""
+    import dataclasses
+
+    import numpy as np
+
+    from partir_emu.hwmodels.compute.fusion import fuse
+
+    p = trace(_dense, X, W, BIAS)
+    cache = analyze(p).fusion
+    for compiler in (TPU, GPU, TPU, CompilerSpec(loop_fusion=True, eager=True, matmul_epilogue="bias")):
+        got, fresh = cache.plan(compiler), fuse(p, cache._flops, cache._bytes, compiler)
+        for f in dataclasses.fields(FusionPlan):
+            assert np.array_equal(np.asarray(getattr(got, f.name)), np.asarray(getattr(fresh, f.name))), f.name
+    other = {"loop_fusion": False, "matmul_operand_fusion": not TPU.matmul_operand_fusion, "matmul_epilogue": "bias",
+             "eager": True, "hand_ops": frozenset({"layer_norm"}), "kernel_launch_s": 1.0}
+    assert {f.name for f in dataclasses.fields(CompilerSpec)} == set(other), "a new CompilerSpec field: key it?"
+    for name, value in other.items():
+        changed = dataclasses.replace(TPU, **{name: value}).variant != TPU.variant
+        assert changed == (name != "kernel_launch_s"), name

@@ -126,14 +126,6 @@ class _Groups:
         self.dot: list[int] = []
         self.tag: list[str] = []
 
-    def new(self, tag: str) -> int:
-        g = len(self.parent)
-        self.parent.append(g)
-        self.open.append(True)
-        self.dot.append(-1)
-        self.tag.append(tag)
-        return g
-
     def find(self, g: int) -> int:
         parent = self.parent
         while parent[g] != g:
@@ -182,35 +174,66 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
     memo: dict[int, list] = {}
     epilogue, operand, eager = compiler.matmul_epilogue, compiler.matmul_operand_fusion, compiler.eager
     parent, find, get = gs.parent, gs.find, prod.get
+    gopen, gdot, gtag = gs.open, gs.dot, gs.tag
     for i, e in enumerate(eqns):
         for o in e.outputs:
             prod[o.id] = i
         if transparent[i]:
             continue
-        reads[i] = rd = _expanded_reads(e, eqns, prod, transparent, memo)
-        # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
-        tag = tags[i] if op_kind.get(e.prim) != "collective" and e.prim != "loop" else ""
-        g = gs.new(tag)
+        prim = e.prim
+        # the reads (_expanded_reads, inlined: one call per equation is a tenth of the pass), and the
+        # groups they come from
+        partial = -1
+        if prim in _SLICING:
+            o = e.outputs[0]
+            partial = buffer_bytes(o.shape, o.dtype)
+        rd: list = []
         cand = set()
-        for v, _ in rd:
-            p = get(v.id)
-            if p is not None:
-                r = gid[p]
-                cand.add(r if parent[r] == r else find(r))    # most groups are their own root
+        k = -1
+        for a in e.inputs:
+            k += 1
+            if type(a) is not Var:
+                continue
+            p = get(a.id)
+            if p is None:
+                rd.append((a, partial if k == 0 else -1))
+                continue
+            if transparent[p]:
+                x = memo.get(p)
+                if x is None:
+                    x = memo[p] = list(_expanded_reads(eqns[p], eqns, prod, transparent, memo))
+                for t in x:
+                    rd.append(t)
+                    q = get(t[0].id)
+                    if q is not None:
+                        r = gid[q]
+                        cand.add(r if parent[r] == r else find(r))
+                continue
+            rd.append((a, partial if k == 0 else -1))
+            r = gid[p]
+            cand.add(r if parent[r] == r else find(r))        # most groups are their own root
+        reads[i] = tuple(rd)
+        # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
+        tag = tags[i] if prim != "loop" and op_kind.get(prim) != "collective" else ""
+        g = len(parent)                                       # a new group (its own root, open)
+        parent.append(g)
+        gopen.append(True)
+        gdot.append(-1)
+        gtag.append(tag)
         c = cls[i]
         # eager: an untagged op is one kernel (a dot's bias add joins the dot, then closes it)
         close_self = c in (REDUCE, OPAQUE, CHEAP) or (c == DOT and epilogue == "none") or (eager and c != DOT)
         if c == DOT:
-            gs.dot[g] = i
+            gdot[g] = i
         dot_taken = False
         for r in cand:
             if tag:
-                ok = gs.tag[r] == tag and gs.open[r]
-            elif c == OPAQUE or c == CHEAP or not gs.open[r] or gs.tag[r]:
+                ok = gtag[r] == tag and gopen[r]
+            elif c == OPAQUE or c == CHEAP or not gopen[r] or gtag[r]:
                 ok = False
             elif c == DOT:
-                ok = operand and gs.dot[r] < 0
-            elif gs.dot[r] >= 0:
+                ok = operand and gdot[r] < 0
+            elif gdot[r] >= 0:
                 ok = c == LOOP and not dot_taken and (
                     epilogue == "elementwise"
                     or (epilogue == "bias_activation" and _reads_only(e, r, gs, gid, prod, transparent))
@@ -221,9 +244,9 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
             if ok:
                 gs.union(g, r)
             else:
-                gs.open[r] = False           # read from outside: closed
+                gopen[r] = False           # read from outside: closed
         if close_self and not tag:
-            gs.open[g] = False
+            gopen[g] = False
         gid[i] = g
     return [gs.find(g) if g >= 0 else -1 for g in gid], gs, reads
 
@@ -280,8 +303,14 @@ def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: Compil
         tags = [""] * n
     else:
         eager = compiler.eager
-        cls = [CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim) for e in eqns]
-        own = [hand_tag(e.kernel, eager, compiler.hand_ops) for e in eqns]
+        by_prim: dict[str, int] = {}               # fusion_class per primitive, asked once each
+        cls = []
+        for e in eqns:
+            c = by_prim.get(e.prim)
+            if c is None:
+                c = by_prim[e.prim] = CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim)
+            cls.append(c)
+        own = [hand_tag(e.kernel, eager, compiler.hand_ops) if e.kernel else "" for e in eqns]
         # eager: a view is free whoever reads it (a GEMM takes a strided or transposed operand too)
         transparent = _transparent(program, cls, compiler.matmul_operand_fusion or eager, own)
         gid, gs, reads = _group(program, cls, transparent, compiler, own)
