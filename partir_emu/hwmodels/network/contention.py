@@ -130,7 +130,10 @@ class Fabric:
         lat = np.where(valid, self.router.latency[ids], 0.0).sum(axis=1)
         lat, inv = lat.reshape(G, K), inv.reshape(G, K)
         if G > 1:                                              # symmetric groups collapse to one row
-            rows = np.unique(np.concatenate((lat, inv), axis=1), axis=0)
+            rows = np.concatenate((lat, inv), axis=1)
+            # (the rows are only ever reduced by max/min: which copy of a row is kept, and in which
+            # order, changes no price; most patterns are all one row, checked without sorting)
+            rows = rows[:1] if bool((rows == rows[0]).all()) else np.unique(rows, axis=0)
             lat, inv = rows[:, :K], rows[:, K:]
         return Pattern(links, lat, inv, hops)
 
