@@ -115,3 +115,16 @@ def test_fair_sharing_of_one_link_and_uneven_bytes():
         b = np.array([nb])
         assert drifts(lat[None] + b[:, None, :] * inv[None], inv, b, False) == want
     assert drifts(np.array([[[A, A + 2 * DRIFT_S]]]), inv, np.ones((1, 2)), True)
+
+
+def test_one_fabric_prices_each_size_as_a_fresh_one():
+    """A fabric keeps the asynchronous critical path's step shapes per groups (``Fabric._async``): trees
+    of several sizes over the same groups priced on one model (the sizes interleaved, one asked twice)
+    are priced exactly as on a fresh model each (a memo that kept a step's times by its shape alone
+    would give the first size's price to the others)."""
+    pl = place(Mesh(data=8, model=8), SPEC)
+    shared = CommModel(pl, "tree")
+    for n in (4 * KIB, MIB, 64 * KIB, 4 * KIB + 512, MIB):
+        got = shared.cost("all_reduce", ("data",), n).time_s
+        assert got == CommModel(pl, "tree").cost("all_reduce", ("data",), n).time_s
+    assert shared.fabric._async                                  # the uneven trees went through the memo

@@ -269,14 +269,18 @@ def drifts(times: np.ndarray, inv: np.ndarray, nbytes: np.ndarray, skewed: bool)
     return bool((hi - lo > DRIFT_S).any())
 
 
-def async_critical_path(fab: Fabric, msgs: Messages, token: int, chips: np.ndarray) -> float:
-    """Seconds until the last member of any group ``chips`` finishes (module docstring)."""
+def async_critical_path(fab: Fabric, msgs: Messages, token: int, chips: np.ndarray, memo: dict | None = None
+                        ) -> float:
+    """Seconds until the last member of any group ``chips`` finishes (module docstring). ``memo``: step
+    shapes and their flows (:func:`_flows`), link-sharing pairs (:func:`_staggered_busy`) and route
+    cells, for these groups on ``fab`` only (the caller keeps one per groups token: collectives of one
+    kind over the same groups, whatever their bytes, repeat the same step shapes); default a new one."""
     steps = np.flatnonzero(np.diff(msgs.ptr)).tolist()
     if not steps:
         return 0.0
     entry = np.zeros(chips.size)
     bw = fab.router.bw
-    memo: dict = {}                 # step shapes and their flows (_flows), link-sharing pairs (_staggered_busy)
+    memo = {} if memo is None else memo
     cur = _flows(fab, msgs, steps[0], token, chips, memo)
     extra = np.zeros(len(cur.x))
     for i in range(len(steps)):

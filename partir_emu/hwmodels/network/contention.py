@@ -32,6 +32,7 @@ from partir_emu.hwmodels.network.messages import Messages, schedule_messages
 
 _MAX_PATTERN_CELLS = 1 << 24  # link-id cells of the patterns kept per fabric (128 MiB); past that it starts afresh
 _BLOCK = 1 << 22              # elements per priced block of steps (bounds the temporary arrays)
+_MAX_ASYNC_MEMO = 1024        # entries of an asynchronous critical path's memo kept per groups (then afresh)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Fabric:
         self._patterns: dict[tuple[int, bytes], Pattern] = {}
         self._cells = 0                                       # link-id cells held by the patterns
         self.link_bytes_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._async: dict[int, dict] = {}                    # per groups token: async_critical_path's memo
 
     @property
     def link_bw(self) -> np.ndarray:
@@ -196,7 +198,10 @@ class Fabric:
                 total += float(times.max(axis=(1, 2)).sum())
                 uneven = uneven or drifts(times, pat.inv_bw, b, skewed)
         if uneven:
-            total = async_critical_path(self, msgs, token, chips)
+            memo = self._async.get(token)
+            if memo is None or len(memo) > _MAX_ASYNC_MEMO:
+                memo = self._async[token] = {}
+            total = async_critical_path(self, msgs, token, chips, memo)
         return total, len(msgs.pair), hops
 
     def link_bytes(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
