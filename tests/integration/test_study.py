@@ -153,3 +153,14 @@ def test_a_capacity_what_if_reuses_the_as_is_search_and_report():
     assert small.sim.placement == as_is.sim.placement.replace(" on tpu-v4 ", f" on {small.sim.spec} ")
     assert small.sim.topology.startswith(f"{small.sim.spec} ") and small.figures["placement"] == small.sim.placement
     assert fast.sim.step_s < as_is.sim.step_s
+    # each configuration is priced with the cyclic collector paused: it runs again afterwards, and one
+    # the caller paused stays paused (the same rows either way)
+    import gc
+
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        again = Study().run(configs[:1])
+        assert not gc.isenabled() and again[0].to_json() == as_is.to_json()
+    finally:
+        gc.enable()

@@ -13,10 +13,11 @@ replays a configuration in the discrete-event model on the same placement.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,12 +142,13 @@ class Study:
                 placement, sim = twin
                 sim = _renamed(sim, spec)
             else:
-                self.analyse(spmd, spec)
-                # prune: the study keeps the best placement only (the same one, not every candidate's step)
-                placement = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap,
-                                             prune=True).placement
-                sim = simulate(spmd, spec, placement, overlap=self.overlap, analyzer=self.analyzer,
-                               model_flops=model_flops)
+                with _settled():
+                    self.analyse(spmd, spec)
+                    # prune: the study keeps the best placement only (the same one, not every candidate's step)
+                    placement = choose_placement(spmd, spec, self.placement, self.analyzer, overlap=self.overlap,
+                                                 prune=True).placement
+                    sim = simulate(spmd, spec, placement, overlap=self.overlap, analyzer=self.analyzer,
+                                   model_flops=model_flops)
                 self._twins[twin_key] = (placement, sim)
         except PartirError as exc:
             return Row(cfg, "does not place", str(exc))
@@ -180,6 +182,25 @@ class Study:
             if on_row is not None:
                 on_row(i, rows[-1])
         return rows
+
+
+@contextlib.contextmanager
+def _settled() -> Iterator[None]:
+    """One configuration's pricing out of the cyclic collector's way: what it keeps (the program's analysis
+    and fusion plans, the placement search's prices, patterns and routes: hundreds of thousands of
+    objects the study holds to its end, or until the Analyzer lets them go, then freed by their
+    reference counts) would be walked again and again by the collector's full passes (a fifth of a t48
+    pricing pass). The collector waits until the configuration is priced, collects its garbage (so none
+    of it is kept), then sets what is left aside (``gc.freeze``), as :meth:`Study.lowered` does."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect()
+            gc.freeze()
 
 
 def _renamed(sim: Any, spec: Any) -> Any:
