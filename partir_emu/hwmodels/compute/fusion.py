@@ -310,7 +310,13 @@ def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: Compil
             if c is None:
                 c = by_prim[e.prim] = CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim)
             cls.append(c)
-        own = [hand_tag(e.kernel, eager, compiler.hand_ops) if e.kernel else "" for e in eqns]
+        tag_of: dict[str, str] = {}                 # hand_tag per Eqn.kernel tag (a few distinct ones)
+        own = []
+        for e in eqns:
+            t = tag_of.get(e.kernel)
+            if t is None:
+                t = tag_of[e.kernel] = hand_tag(e.kernel, eager, compiler.hand_ops)
+            own.append(t)
         # eager: a view is free whoever reads it (a GEMM takes a strided or transposed operand too)
         transparent = _transparent(program, cls, compiler.matmul_operand_fusion or eager, own)
         gid, gs, reads = _group(program, cls, transparent, compiler, own)
