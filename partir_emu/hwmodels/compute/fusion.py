@@ -173,7 +173,7 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
     reads: list[tuple] = [()] * len(eqns)
     memo: dict[int, list] = {}
     epilogue, operand, eager = compiler.matmul_epilogue, compiler.matmul_operand_fusion, compiler.eager
-    parent, find, get = gs.parent, gs.find, prod.get
+    parent = gs.parent
     gopen, gdot, gtag = gs.open, gs.dot, gs.tag
     for i, e in enumerate(eqns):
         for o in e.outputs:
@@ -181,38 +181,7 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
         if transparent[i]:
             continue
         prim = e.prim
-        # the reads (_expanded_reads, inlined: one call per equation is a tenth of the pass), and the
-        # groups they come from
-        partial = -1
-        if prim in _SLICING:
-            o = e.outputs[0]
-            partial = buffer_bytes(o.shape, o.dtype)
-        rd: list = []
-        cand = set()
-        k = -1
-        for a in e.inputs:
-            k += 1
-            if type(a) is not Var:
-                continue
-            p = get(a.id)
-            if p is None:
-                rd.append((a, partial if k == 0 else -1))
-                continue
-            if transparent[p]:
-                x = memo.get(p)
-                if x is None:
-                    x = memo[p] = list(_expanded_reads(eqns[p], eqns, prod, transparent, memo))
-                for t in x:
-                    rd.append(t)
-                    q = get(t[0].id)
-                    if q is not None:
-                        r = gid[q]
-                        cand.add(r if parent[r] == r else find(r))
-                continue
-            rd.append((a, partial if k == 0 else -1))
-            r = gid[p]
-            cand.add(r if parent[r] == r else find(r))        # most groups are their own root
-        reads[i] = tuple(rd)
+        reads[i], cand = _reads_and_sources(e, eqns, prod, transparent, memo, gid, gs)
         # communication breaks a kernel; so does a loop (its body is priced on its own: a fusion boundary)
         tag = tags[i] if prim != "loop" and op_kind.get(prim) != "collective" else ""
         g = len(parent)                                       # a new group (its own root, open)
@@ -249,6 +218,43 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
             gopen[g] = False
         gid[i] = g
     return [gs.find(g) if g >= 0 else -1 for g in gid], gs, reads
+
+
+def _reads_and_sources(e, eqns, prod: dict[int, int], transparent: Sequence[bool], memo: dict[int, list],
+                       gid: list[int], gs: _Groups) -> tuple[tuple, set[int]]:
+    """:func:`_expanded_reads` of ``e`` (its own reads made here, a duplicated cheap op's expansion kept
+    in ``memo``), and the groups (roots) of the equations that produce them, in the order read."""
+    partial = -1
+    if e.prim in _SLICING:
+        o = e.outputs[0]
+        partial = buffer_bytes(o.shape, o.dtype)
+    parent, find, get = gs.parent, gs.find, prod.get
+    rd: list = []
+    cand = set()
+    k = -1
+    for a in e.inputs:
+        k += 1
+        if type(a) is not Var:
+            continue
+        p = get(a.id)
+        if p is None:
+            rd.append((a, partial if k == 0 else -1))
+            continue
+        if transparent[p]:
+            x = memo.get(p)
+            if x is None:
+                x = memo[p] = list(_expanded_reads(eqns[p], eqns, prod, transparent, memo))
+            for t in x:
+                rd.append(t)
+                q = get(t[0].id)
+                if q is not None:
+                    r = gid[q]
+                    cand.add(r if parent[r] == r else find(r))
+            continue
+        rd.append((a, partial if k == 0 else -1))
+        r = gid[p]
+        cand.add(r if parent[r] == r else find(r))            # most groups are their own root
+    return tuple(rd), cand
 
 
 def _expanded_reads(e, eqns, prod: dict[int, int], transparent: Sequence[bool], memo: dict[int, list]) -> tuple:
