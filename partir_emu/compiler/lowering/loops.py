@@ -29,6 +29,7 @@ A narrowing cast of a gathered value in the body is moved before its gather ther
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from partir_emu.compiler.loop_view import Region
@@ -161,8 +162,9 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
         k for k in range(nk) if isinstance(operands[nc + k], Var)), _uniform_in(local_body, rows))
     for m in sunk:
         op = operands[nc + m.k]
-        operands[nc + m.k] = lw.emit("to_partial", [op], op.shape, op.dtype, {"axes": m.axes},
-                                     f"carry {m.k} of {where}, reduced after the loop")
+        pending = _sunk_sum(lw, op, m.axes)
+        operands[nc + m.k] = pending if pending is not None else \
+            lw.emit("to_partial", [op], op.shape, op.dtype, {"axes": m.axes}, f"carry {m.k} of {where}, reduced after the loop")
     # 5. the loop equation and its results' layouts
     results: list[Var] = []
     for v, s in zip((*lp.carry_out, *lp.ys), (*rows[nc:nc + nk], *(Sharding(((), *s.dims), s.partial) for s in y_rows))):
@@ -176,7 +178,32 @@ def lower_loop(lw: LoopLowerer, r: Region) -> None:
                        local_body, lp.length, lp.reverse, r.loop.source, r.loop.kernel))
     for m in sunk:
         lw.append(Eqn("all_reduce", (loop_out[m.k],), (results[m.k],), {"axes": m.axes, "op": "sum"},
-                      f"carry {m.k} of {where}, reduced once after the loop"))
+                      f"carry {m.k} of {where}, {_REDUCED_AFTER}"))
 
 
-__all__ = ["LoopLowerer", "lower_loop"]
+_REDUCED_AFTER = "reduced once after the loop"
+
+
+def _sunk_sum(lw: LoopLowerer, op: Atom, axes: tuple[str, ...]) -> Atom | None:
+    """The pending sum behind ``op`` when ``op`` is the all-reduce over ``axes`` that an earlier loop's
+    sunk carry was reduced by: the next loop carries that pending sum on (the loops of a 1F1B step,
+    ``scenarios/transformer/pipeline_1f1b.py``, accumulate the same weight gradients in turn), so the
+    gradients are reduced once after the last loop, not once after each. The earlier all-reduce stays
+    for any other reader; :func:`drop_unread_reductions` removes it when there is none."""
+    for e in reversed(lw.eqns):
+        if op in e.outputs:
+            if e.prim == "all_reduce" and e.params == {"axes": axes, "op": "sum"} and _REDUCED_AFTER in e.source:
+                return e.inputs[0]
+            return None
+    return None
+
+
+def drop_unread_reductions(program: Program) -> Program:
+    """``program`` without the after-loop all-reduces (:func:`_sunk_sum`) whose result nothing reads."""
+    read = {a for e in program.eqns for a in e.inputs} | set(program.outputs)
+    eqns = tuple(e for e in program.eqns if not (e.prim == "all_reduce" and _REDUCED_AFTER in e.source
+                                                 and e.outputs[0] not in read))
+    return program if len(eqns) == len(program.eqns) else replace(program, eqns=eqns)
+
+
+__all__ = ["LoopLowerer", "drop_unread_reductions", "lower_loop"]

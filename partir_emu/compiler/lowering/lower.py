@@ -32,7 +32,7 @@ from partir_emu.compiler.lowering.gathers import (
 )
 from partir_emu.compiler.lowering.halo import lower_spatial
 from partir_emu.compiler.lowering.indexed import lower_indexed
-from partir_emu.compiler.lowering.loops import lower_loop
+from partir_emu.compiler.lowering.loops import drop_unread_reductions, lower_loop
 from partir_emu.compiler.lowering.rotate import lower_rotation
 from partir_emu.compiler.state import ShardingState, mesh_order
 from partir_emu.core.ir import Atom, Eqn, Literal, Program, Var
@@ -202,6 +202,11 @@ class Lowerer:
             out_shardings.append(tgt)
         prog = Program(tuple(in_locals), p.input_names, tuple(self.eqns), tuple(outs), p.output_names, tuple(consts))
         prog, moved = cast_before_gather(prog)
+        kept = drop_unread_reductions(prog)
+        if kept is not prog:        # an equation dropped: the origins index the kept ones
+            gone = {id(e) for e in prog.eqns} - {id(e) for e in kept.eqns}
+            moved = [m for m, e in zip(moved, prog.eqns) if id(e) not in gone]
+            prog = kept
         prog = rematerialise_gathers(prog, pass_clusters([self.origin[j] for j in moved], boundary))
         return SpmdProgram(mesh, prog, tuple(in_shardings), tuple(out_shardings),
                            tuple(v.shape for v in p.inputs), tuple(o.shape for o in p.outputs),
