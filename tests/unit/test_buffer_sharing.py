@@ -73,3 +73,31 @@ def test_an_add_of_two_computed_values_is_not_in_place():
     prog = Program((w,), ("w",), (Eqn("dot_general", (w, w), (g,), DOT), Eqn("add", (g, g), (out,))), (out,), ("o",))
     assert stack_liveness(prog, STACK)[1] == frozenset()
     assert peak_memory(prog, policy=STACK).live_bytes[2] == 2 * B
+
+
+def test_a_transpose_of_unit_dims_is_a_view_and_one_of_data_is_not():
+    """Moving a size-1 dim (a pipeline's stage dim, one a device) keeps the data order: XLA's bitcast,
+    so a view; a transpose that reorders the data is a copy, its own buffer."""
+    w, a = _v(0), _v(1)
+    for shape, perm, view in (((1, 32, 32), (1, 0, 2), True), ((32, 1, 32), (2, 1, 0), False)):
+        t, o = Var(2, tuple(shape[p] for p in perm), F32), _v(3, tuple(shape[p] for p in perm))
+        x = Var(4, shape, F32)
+        eqns = (Eqn("dot_general", (w, w), (a,), DOT), Eqn("reshape", (a,), (x,), {"new_sizes": shape, "dimensions": None}),
+                Eqn("transpose", (x,), (t,), {"permutation": perm}), Eqn("mul", (t, t), (o,)))
+        prog = Program((w,), ("w",), eqns, (o,), ("o",))
+        _, views = stack_liveness(prog, STACK)
+        assert (2 in views) == view, (shape, perm, views)
+
+
+def test_a_dynamic_update_slice_at_its_operands_last_use_writes_in_place():
+    """``s2 = dynamic_update_slice(s, u, i)`` where nothing reads ``s`` after: one buffer (XLA's
+    in-place update: a pipeline's stash written a slot a tick); while ``s`` is still read, a copy."""
+    s, u, i = _v(0), Var(1, (1, 32), F32), Var(2, (), "int32")
+    z = Var(3, (), "int32")
+    s2, r = _v(4), _v(5)
+    for later_read, shared in ((False, True), (True, False)):
+        tail = (Eqn("mul", (s2, s), (r,)),) if later_read else (Eqn("mul", (s2, s2), (r,)),)
+        eqns = (Eqn("dynamic_update_slice", (s, u, i, z), (s2,)), *tail)
+        prog = Program((s, u, i, z), ("s", "u", "i", "z"), eqns, (r,), ("r",))
+        _, views = stack_liveness(prog, STACK)
+        assert (4 in views) == shared, (later_read, views)

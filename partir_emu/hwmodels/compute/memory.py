@@ -72,16 +72,37 @@ ACCUMULATE_PRIMS = frozenset({"add", "add_any"})
 VIEW_PRIMS = frozenset({"reshape"})
 
 
+def is_view(e) -> bool:
+    """A ``reshape``, or a ``transpose`` that moves only size-1 dims (its data order is its operand's:
+    XLA makes it a bitcast), e.g. a pipeline's stage dim, one row a device, moved behind the layer dim."""
+    if e.prim in VIEW_PRIMS:
+        return True
+    if e.prim != "transpose":
+        return False
+    shape = e.inputs[0].shape
+    kept = [d for d in e.params["permutation"] if shape[d] != 1]
+    return kept == sorted(kept)
+
+
+def _updates_in_place(e, last: Mapping[int, int], i: int) -> bool:
+    """A ``dynamic_update_slice`` that reads its operand for the last time writes into the operand's
+    buffer (XLA's in-place DUS; a pipeline's stash or conveyor written a slot a tick)."""
+    return (e.prim == "dynamic_update_slice" and type(e.inputs[0]) is Var and last.get(e.inputs[0].id) == i
+            and e.inputs[0].nbytes == e.outputs[0].nbytes)
+
+
 def stack_liveness(prog: Program, policy: str, zero: frozenset[int] | None = None
                    ) -> tuple[Liveness, frozenset[int]]:
     """:func:`.saved_liveness` plus the buffers a stack shares between values (not under the runtime's
     ``"program"`` convention, where every Var is its own buffer). Returns the lifetimes and the ids
     of the values that take no buffer of their own:
 
-    * **views**: a ``reshape`` is a view of its operand's storage (PyTorch's ``view``, XLA's
-      bitcast of a row-major array), so its result shares the operand's buffer, which lives until
+    * **views**: a ``reshape`` (or a transpose of size-1 dims, :func:`is_view`) is a view of its
+      operand's storage (PyTorch's ``view``, XLA's bitcast of a row-major array), so its result shares
+      the operand's buffer, which lives until
       the last reader of either (a flash kernel's output and the same bytes reshaped for the output
       projection are one buffer, not two);
+    * **in-place updates**: a ``dynamic_update_slice`` at its operand's last use writes into it;
     * **in-place accumulation**: an ``add`` that reads an input of ``prog`` for the last time and
       makes one of its outputs of the same size (a loop body's ``acc + g`` into its carry) writes into
       the input's buffer, as PyTorch's ``AccumulateGrad`` (``.grad += g``), FSDP's sharded gradient
@@ -111,8 +132,8 @@ def stack_liveness(prog: Program, policy: str, zero: frozenset[int] | None = Non
                 released[vid] = to
 
     for i, e in enumerate(prog.eqns):
-        if e.prim in VIEW_PRIMS and type(e.inputs[0]) is Var and e.inputs[0].id not in zero \
-                and e.outputs[0].id not in zero:
+        if (is_view(e) or _updates_in_place(e, last, i)) and type(e.inputs[0]) is Var \
+                and e.inputs[0].id not in zero and e.outputs[0].id not in zero:
             o, r = e.outputs[0], root.get(e.inputs[0].id, e.inputs[0].id)
             root[o.id] = r
             shared.add(o.id)
