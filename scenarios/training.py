@@ -53,7 +53,8 @@ def adam_layout(param_shapes: dict) -> dict:
     moments = map_leaves(param_shapes, lambda s: (tuple(s), np.float32))
     return {"mu": moments, "nu": dict(moments), "count": ((), np.int32)}
 
-def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False, microbatches: int = 1) -> Any:
+def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False, microbatches: int = 1,
+               value_and_grad: Any = None) -> Any:
     """``(params, opt, batch) -> (loss, new_params, new_opt)``: value_and_grad of ``loss_fn`` then
     :func:`adam_update`; with ``grads_only`` stopped before the optimizer: ``-> (loss, grads)``.
 
@@ -65,11 +66,16 @@ def train_step(loss_fn: Any, *, lr: float, grads_only: bool = False, microbatche
     a batch sharding of ``B`` stays on every micro-batch's rows (each device holds its own slice of
     every micro-batch, as data-parallel accumulation does) instead of one micro-batch per device
     group. The mean over K equal micro-batches of their mean losses is the batch's mean loss.
+
+    ``value_and_grad(params, batch) -> (loss, grads)``, when given, replaces ``jax.value_and_grad(loss_fn)``
+    (a schedule that computes its gradient itself: ``scenarios.transformer.pipeline_1f1b``).
     """
     import jax
     import jax.numpy as jnp
 
     def grads_of(params, batch):
+        if value_and_grad is not None:
+            return value_and_grad(params, batch)
         if microbatches == 1:
             return jax.value_and_grad(loss_fn)(params, batch)
         k = microbatches

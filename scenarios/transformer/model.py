@@ -23,6 +23,7 @@ from scenarios.training import op_scope, train_step
 from scenarios.transformer import pipeline, ring_attention
 from scenarios.transformer.attention import ATTENTION, SAVED  # SAVED: what remat=op keeps
 from scenarios.transformer.moe import add_aux, moe_mlp, split_aux
+from scenarios.transformer.pipeline_1f1b import make_value_and_grad, one_f_one_b
 
 EPS = 1e-5
 
@@ -177,22 +178,52 @@ def remat_policy(cfg: Config):
     return None
 
 
-def make_loss(cfg: Config):
-    """``(params, batch) -> mean next-token cross-entropy`` (float32), plus the MoE layers' weighted
-    auxiliary losses when there are any."""
+def make_embed(cfg: Config):
+    """``(params, tokens) -> x`` [batch, seq, d]: token and position embeddings in the compute dtype."""
+    dtype = compute_dtype(cfg)
+
+    def embed(params, tokens):
+        emb = params["embed"]
+        # gather from the float32 table, then cast: the embedding gradient accumulates in float32
+        return as_dtype(emb["tokens"][tokens], dtype) + as_dtype(emb["pos"], dtype)
+
+    return embed
+
+
+def make_head(cfg: Config):
+    """``(params, x, targets) -> the mean next-token cross-entropy of x's rows`` (float32): final norm,
+    logits, loss."""
     import jax
     import jax.numpy as jnp
 
     dtype = compute_dtype(cfg)
+
+    def head(params, x, targets):
+        h = norm(x, params["final_ln"], cfg["norm"], dtype)
+        unembed = as_dtype(params["embed"]["tokens"], dtype).T if cfg["tied"] else \
+            as_dtype(params["unembed"]["w"], dtype)
+        logits = h @ unembed
+        with op_scope("cross_entropy"):
+            logp = jax.nn.log_softmax(wide(logits), axis=-1)
+            onehot = jax.nn.one_hot(targets, cfg["vocab"], dtype=logp.dtype)
+            return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+
+    return head
+
+
+def make_loss(cfg: Config):
+    """``(params, batch) -> mean next-token cross-entropy`` (float32), plus the MoE layers' weighted
+    auxiliary losses when there are any."""
+    import jax
+
     block = make_block(cfg)
     policy = remat_policy(cfg)
     if policy is not None:
         block = jax.checkpoint(block, policy=policy)
+    embed, head = make_embed(cfg), make_head(cfg)
 
     def loss_fn(params, batch):
-        emb = params["embed"]
-        # gather from the float32 table, then cast: the embedding gradient accumulates in float32
-        x = as_dtype(emb["tokens"][batch["tokens"]], dtype) + as_dtype(emb["pos"], dtype)
+        x = embed(params, batch["tokens"])
         if pipeline.pipelined(cfg):        # the layers as P stages (scenarios.transformer.pipeline)
             x, auxes = pipeline.run_layers(cfg, make_block(cfg), params["layers"], x, policy), []
         elif cfg["layers_as"] == "loop":
@@ -202,18 +233,13 @@ def make_loss(cfg: Config):
             for i in range(cfg["layers"]):
                 x, aux = split_aux(block(x, params[f"layer_{i}"]))
                 auxes.append(aux)
-        def head(x, targets):       # the mean cross-entropy of x's rows
-            h = norm(x, params["final_ln"], cfg["norm"], dtype)
-            unembed = as_dtype(emb["tokens"], dtype).T if cfg["tied"] else as_dtype(params["unembed"]["w"], dtype)
-            logits = h @ unembed
-            with op_scope("cross_entropy"):
-                logp = jax.nn.log_softmax(wide(logits), axis=-1)
-                onehot = jax.nn.one_hot(targets, cfg["vocab"], dtype=logp.dtype)
-                return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+
+        def head_of(x, targets):
+            return head(params, x, targets)
 
         # a pipeline's head runs a micro-batch at a time, as its last stage does
-        ce = pipeline.per_micro_batch(cfg, head, x, batch["targets"]) if pipeline.pipelined(cfg) else \
-            head(x, batch["targets"])
+        ce = pipeline.per_micro_batch(cfg, head_of, x, batch["targets"]) if pipeline.pipelined(cfg) else \
+            head_of(x, batch["targets"])
         return add_aux(ce, auxes)
 
     return loss_fn
@@ -221,15 +247,19 @@ def make_loss(cfg: Config):
 
 def make_step(cfg: Config, *, lr: float = 1e-2, grads_only: bool = False):
     """The training step ``(params, opt, batch) -> (loss, new_params, new_opt)``; with
-    ``grads_only`` the same step stopped before the optimizer: ``-> (loss, grads)``."""
+    ``grads_only`` the same step stopped before the optimizer: ``-> (loss, grads)``. A 1F1B pipeline
+    computes its gradient itself (``scenarios.transformer.pipeline_1f1b``)."""
 
     loss_fn = make_loss(cfg)
     if fp8_matmuls(cfg):
         return fp8_train_step(loss_fn, lr=lr, grads_only=grads_only)
+    if pipeline.pipelined(cfg) and one_f_one_b(cfg):
+        grads = make_value_and_grad(cfg, make_embed(cfg), make_block(cfg), make_head(cfg))
+        return train_step(loss_fn, lr=lr, grads_only=grads_only, value_and_grad=grads)
     # a pipeline's micro-batches are its own (scenarios.transformer.pipeline), not gradient accumulation
     k = 1 if pipeline.pipelined(cfg) else int(cfg.get("microbatches", 1))
     return train_step(loss_fn, lr=lr, grads_only=grads_only, microbatches=k)
 
 
-__all__ = ["make_step", "make_loss", "make_block", "feed_forward", "norm", "dense", "gelu", "relu", "silu",
+__all__ = ["make_step", "make_loss", "make_block", "make_embed", "make_head", "feed_forward", "norm", "dense", "gelu", "relu", "silu",
            "compute_dtype"]

@@ -37,11 +37,10 @@ to stage 0 on the next tick) before the next group enters, so every stage is bus
 gather over the repeat dim batched over the stage dim (MaxText's ``vmap_parallel_gather``).
 Needs ``M`` a multiple of ``P`` (both schedules: the conveyor has ``M/P`` columns).
 
-Not expressible: 1F1B (PipeDream-flush) and its interleaved form run a micro-batch's backward pass
-as soon as its forward pass leaves the last stage; here the backward pass is jax's transpose of
-the whole tick loop, which runs after it. 1F1B's step equals GPipe's at the same bubble; its
-memory does not (it keeps at most ``P`` micro-batches' activations in flight, GPipe all ``M``: here
-the loop's residuals, ``T`` ticks of the stage's saved activations, bubble ticks included).
+1F1B (PipeDream-flush) runs a micro-batch's backward pass as soon as its forward pass leaves the
+last stage; here the backward pass is jax's transpose of the whole tick loop, which runs after it,
+so ``schedule=1f1b`` is a step that computes its gradient itself
+(:mod:`scenarios.transformer.pipeline_1f1b`). Its interleaved form is not built.
 
 The embedding runs before the loop on the whole batch and the head (final norm, logits, loss)
 after it, a micro-batch at a time (:func:`per_micro_batch`: one micro-batch's logits live, as on
@@ -58,7 +57,7 @@ import numpy as np
 from partir_emu.errors import ScenarioError
 from scenarios.common import Config
 
-NAMES = ("pipeline", "virtual_stages")      # the transformer's --set keys of this module
+NAMES = ("pipeline", "virtual_stages", "schedule")    # the transformer's --set keys of this module (and 1F1B's)
 _CHUNK = "pipeline_chunk"                   # the checkpoint names of a tick's gathered layer chunk
 _LAYER_INPUT = "pipeline_layer_input"       # and of each layer's input
 
@@ -76,19 +75,29 @@ def complete(cfg: Config) -> Config:
     other config is left as it is."""
     if not pipelined(cfg):
         return cfg
-    return dict(cfg, layers_as="loop", virtual_stages=int(cfg.get("virtual_stages", 1)))
+    return dict(cfg, layers_as="loop", virtual_stages=int(cfg.get("virtual_stages", 1)),
+                schedule=str(cfg.get("schedule", "gpipe")))
 
 
 def check(cfg: Config) -> None:
     """A pipeline that cannot be built raises :class:`ScenarioError` naming the keys."""
     if not pipelined(cfg):
-        if int(cfg.get("virtual_stages", 1)) != 1:
-            raise ScenarioError("transformer: virtual_stages without pipeline; set --set pipeline=P (the stages) too")
+        for key, default in (("virtual_stages", "1"), ("schedule", "gpipe")):
+            if str(cfg.get(key, default)) != default:
+                raise ScenarioError(f"transformer: {key} without pipeline; set --set pipeline=P (the stages) too")
         return
     p, v, m, layers = stages(cfg), int(cfg["virtual_stages"]), int(cfg.get("microbatches", 1)), cfg["layers"]
     if layers % (p * v):
         raise ScenarioError(f"transformer: layers={layers} is not divisible by pipeline={p} x virtual_stages={v}; "
                             "every stage runs the same number of layers")
+    if cfg.get("experts"):
+        raise ScenarioError("transformer: pipeline with experts is not supported (a MoE layer's auxiliary loss is not "
+                            "carried through the stages); drop one of them")
+    if cfg["schedule"] not in ("gpipe", "1f1b"):
+        raise ScenarioError(f"transformer: schedule={cfg['schedule']!r} is not a pipeline schedule; use gpipe (the "
+                            "default; with virtual_stages=V circular) or 1f1b")
+    if cfg["schedule"] == "1f1b":        # checked by scenarios.transformer.pipeline_1f1b.check
+        return
     if m % p:
         raise ScenarioError(f"transformer: microbatches={m} is not a multiple of pipeline={p}; the pipeline feeds its "
                             f"stages micro-batches in groups of {p} (set --set microbatches={p * max(1, m // p)})")
@@ -96,9 +105,6 @@ def check(cfg: Config) -> None:
         raise ScenarioError(f"transformer: virtual_stages={v} with remat=selective: a circular tick is checkpointed to "
                             "gather its layer chunk again in the backward pass, and inside it jax keeps what the "
                             "attention core's own checkpoint would recompute; use remat=1, minimal, dots, op or 0")
-    if cfg.get("experts"):
-        raise ScenarioError("transformer: pipeline with experts is not supported (a MoE layer's auxiliary loss is not "
-                            "carried through the stages); drop one of them")
 
 
 def layer_order(cfg: Config) -> np.ndarray:
@@ -111,7 +117,7 @@ def layer_order(cfg: Config) -> np.ndarray:
 
 
 def ticks(cfg: Config) -> int:
-    """``M·V + P - 1``: the loop's length."""
+    """``M·V + P - 1``: the loop's length (GPipe, circular; 1F1B's three loops have ``M + 2P - 2``)."""
     return int(cfg["microbatches"]) * int(cfg.get("virtual_stages", 1)) + stages(cfg) - 1
 
 
@@ -227,26 +233,27 @@ def _tick_policy(policy):
 
 def _chunks(w: dict, v: int, repeat):
     """Each stage's layer chunk of this tick: ``w`` leaves [V, lps, P, ...] -> [lps, P, ...], stage ``k``
-    taking repeat ``repeat[k]`` (a gather over V batched over the stage dim; no copy of the others; its
-    transpose accumulates into the chunk in place, ``partir_emu/compiler/tracing/idioms.py``). GPipe's
-    one chunk (``V = 1``) is ``w`` itself."""
+    taking repeat ``repeat[k]`` (:func:`per_stage_index`; its transpose accumulates into the chunk in
+    place, ``partir_emu/compiler/tracing/idioms.py``). GPipe's one chunk (``V = 1``) is ``w`` itself."""
     import jax
-    from jax import lax
     from jax.ad_checkpoint import checkpoint_name
 
     if v == 1:
         return w
-    idx = repeat.reshape(-1, 1)
-
-    def one(a):
-        dn = lax.GatherDimensionNumbers(offset_dims=(0, *range(2, a.ndim - 1)), collapsed_slice_dims=(0,),
-                                        start_index_map=(0,), operand_batching_dims=(2,),
-                                        start_indices_batching_dims=(0,))
-        return checkpoint_name(lax.gather(a, idx, dn, (1, a.shape[1], 1, *a.shape[3:]), mode=lax.GatherScatterMode.CLIP),
-                               _CHUNK)
-
-    return jax.tree.map(one, w)
+    return jax.tree.map(lambda a: checkpoint_name(per_stage_index(a, repeat), _CHUNK), w)
 
 
-__all__ = ["NAMES", "check", "complete", "layer_order", "per_micro_batch", "pipelined", "run_layers", "stages",
-           "ticks"]
+def per_stage_index(a, index):
+    """``a`` [N, lps, P, ...] -> [lps, P, ...], stage ``k`` taking row ``index[k]`` of dim 0: a gather over
+    dim 0 batched over the stage dim (MaxText's ``vmap_parallel_gather``), no copy of the other rows."""
+    from jax import lax
+
+    dn = lax.GatherDimensionNumbers(offset_dims=(0, *range(2, a.ndim - 1)), collapsed_slice_dims=(0,),
+                                    start_index_map=(0,), operand_batching_dims=(2,),
+                                    start_indices_batching_dims=(0,))
+    return lax.gather(a, index.reshape(-1, 1), dn, (1, a.shape[1], 1, *a.shape[3:]),
+                      mode=lax.GatherScatterMode.CLIP)
+
+
+__all__ = ["NAMES", "check", "complete", "layer_order", "per_micro_batch", "per_stage_index", "pipelined",
+           "run_layers", "stages", "ticks"]

@@ -75,6 +75,7 @@ pipeline       int (1)                     P > 1: the layers as P pipeline stage
 virtual_stages int (1)                     ``microbatches`` micro-batches, V chunks a stage
                                            (circular); stacks the layers (``layers_as=loop``),
                                            stage-major (``scenarios.transformer.pipeline``)
+schedule       gpipe|1f1b (gpipe)          1f1b: PipeDream-flush, remat=1 (``pipeline_1f1b``)
 experts        int (none: dense)           mixture of experts: E experts, ``top_k`` (2) a token,
                                            in every ``moe_every``-th (1) layer; ``capacity_factor``
                                            (1.25), ``moe_group`` (seq): ``scenarios.transformer.moe``
@@ -143,7 +144,7 @@ from scenarios import fp8
 from scenarios.common import Config, ParamKind, Scenario
 from scenarios.strategies import EMB_STRATEGY_NAMES, STRATEGY_NAMES, make_strategies
 from scenarios.transformer import model as transformer_model
-from scenarios.transformer import moe, pipeline, ring_attention
+from scenarios.transformer import moe, pipeline, pipeline_1f1b, ring_attention
 
 SIZE_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "layers", "vocab", "remat", "head_dim", "kv_heads",
               "microbatches", "precision", "mlp", "block", "tied", "norm", "bias", "attention", "layers_as", *moe.NAMES,
@@ -152,6 +153,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "layers_as": ("unrolled", "loop"), "remat": ("0", "1", "full", "selective", "minimal", "dots", "op"),
     "precision": ("f32", "bf16", "fp8"), "mlp": ("gelu", "relu", "swiglu"), "block": ("serial", "parallel"),
     "norm": ("layernorm", "rmsnorm"), "bias": ("mlp", "0", "1"), "attention": ("naive", "flash", "ring"),
+    "schedule": ("gpipe", "1f1b"),          # a pipeline's (scenarios.transformer.pipeline, pipeline_1f1b)
 }
 FLAG_NAMES = ("tied",)
 # the original model; head_dim and kv_heads are derived (complete_config)
@@ -175,7 +177,7 @@ def complete_config(cfg: Config) -> Config:
     """``cfg`` with every option present: the defaults, ``head_dim = d_model // heads`` and
     ``kv_heads = heads`` where absent."""
     out = dict(DEFAULTS, **cfg)
-    out.update({k: str(out[k]) for k in CHOICES})      # bias=1 written as an int means "1"
+    out.update({k: str(out[k]) for k in CHOICES if k in out})      # bias=1 written as an int means "1"
     if "head_dim" not in out:
         if out["d_model"] % out["heads"]:
             raise ScenarioError(f"transformer: d_model={out['d_model']} is not divisible by heads={out['heads']}; "
@@ -339,6 +341,7 @@ PARAM_KINDS = param_kinds(None)
 
 def _check_config(cfg: Config) -> None:
     pipeline.check(cfg)
+    pipeline_1f1b.check(cfg)
     ring_attention.check(cfg)
     moe.check(cfg)
     fp8.check_config(cfg)

@@ -1,0 +1,224 @@
+"""The 1F1B pipeline schedule (PipeDream-flush, Narayanan et al. 2021 sec. 2.2.1; Megatron-LM's
+default), as SPMD pipelining in plain JAX: ``--set pipeline=P,microbatches=M,schedule=1f1b``.
+
+GPipe (:mod:`scenarios.transformer.pipeline`) is a forward tick loop that jax differentiates, so
+every micro-batch's saved activations are live when the backward pass starts. 1F1B starts a
+micro-batch's backward pass as soon as its forward pass has left the last stage, so the step
+cannot be ``jax.grad`` of a loop: this module writes the step's gradient itself, one tick loop
+that runs a forward unit and a backward unit on every stage, each unit a stage's ``lps = L / P``
+layers on one micro-batch, the backward one through ``jax.vjp`` of each layer.
+
+**Ticks.** Stage ``k`` runs the forward pass of micro-batch ``i`` on tick ``i + k`` and its backward
+pass on tick ``i + 2P - 2 - k`` (the last stage: the same tick, after the head). The ticks form
+three loops, so no tick prices a unit that no stage runs:
+
+- warm-up, ticks ``0 .. P-2``: forward units only;
+- steady, ``M`` ticks: forward unit, the head (final norm, logits, loss and their gradient) on the
+  last stage's output, backward unit;
+- cool-down, ``P - 1`` ticks: backward units only.
+
+A stage thus does ``M + P - 1`` forward and ``M + P - 1`` backward units, ``P - 1`` of each idle:
+the bubble ``(P - 1) / (M + P - 1)``, as Megatron's 1F1B and GPipe. Between ticks the forward
+outputs rotate one stage on (``roll(+1)``) and the input gradients one stage back (``roll(-1)``):
+two ``collective_permute`` s on the ``stage`` axis a tick (bubble ticks included, as in GPipe here).
+
+**Memory.** Activation recompute is Megatron's full recompute (``remat=1``): a forward unit keeps
+each of its layers' inputs (the stash), the backward unit recomputes each layer from its input under
+``jax.vjp`` and runs its backward pass, one layer's activations live at a time. The stash has
+``2P - 1`` slots (written by tick, ``t mod (2P - 1)``): stage ``k`` holds ``2(P - 1 - k) + 1``
+micro-batches in flight, at most ``2P - 1`` (stage 0); Megatron's 1F1B holds ``P - k``: lock-step
+ticks move a micro-batch one stage a tick both ways, where Megatron's stage 0 waits idle after its
+warm-up. Either way it does not grow with ``M``, where GPipe's grows with ``M + P - 1``.
+
+**Embedding and head.** Every device embeds the micro-batch stage 0 takes each tick (a gather) and
+runs the head on its stage's output (only the last stage's counts: each device pays one head a tick,
+as Megatron's last stage does on the critical path), and back-propagates both with a zero cotangent
+where its stage is not the one that counts. Their parameter gradients are kept per stage and summed
+over ``stage`` once after the loop (an all-reduce of the head's and embedding's weight gradients,
+which Megatron does between its first and last stages for a tied embedding). No buffer of the whole
+batch's activations: the step's memory does not grow with ``M`` but for the token ids.
+
+Micro-batch ``i`` holds rows ``i, M + i, ...`` (a batch tiling of the rows stays on every micro-batch,
+as in :func:`scenarios.training.train_step`); the loss is the mean of the micro-batches' mean losses.
+Supported: ``virtual_stages=1`` (no interleaving), ``remat=1``; anything else is refused by
+:func:`check`.
+"""
+from __future__ import annotations
+
+from partir_emu.errors import ScenarioError
+from scenarios.common import Config
+from scenarios.transformer.pipeline import stages
+
+
+def one_f_one_b(cfg: Config) -> bool:
+    return str(cfg.get("schedule", "gpipe")) == "1f1b"
+
+
+def check(cfg: Config) -> None:
+    """A 1F1B config this module cannot build raises :class:`ScenarioError` naming what it lacks."""
+    if not (stages(cfg) > 1 and one_f_one_b(cfg)):
+        return
+    reasons = []
+    if int(cfg.get("virtual_stages", 1)) != 1:
+        reasons.append(f"virtual_stages={cfg['virtual_stages']} (interleaved 1F1B is not built; use schedule=gpipe "
+                       "for the circular schedule, or virtual_stages=1)")
+    if str(cfg.get("remat", 0)) not in ("1", "full"):
+        reasons.append(f"remat={cfg.get('remat', 0)} (1F1B here recomputes each layer from its stashed input, "
+                       "Megatron's full recompute: set remat=1)")
+    if str(cfg.get("precision", "f32")) == "fp8":
+        reasons.append("precision=fp8 (its amax histories are updated by the FP8 training step, not by the 1F1B "
+                       "step; use precision=bf16)")
+    if reasons:
+        raise ScenarioError("transformer: schedule=1f1b does not support " + "; ".join(reasons))
+
+
+def slots(cfg: Config) -> int:
+    """The stash's slots: ``2P - 1``."""
+    return 2 * stages(cfg) - 1
+
+
+def make_value_and_grad(cfg: Config, embed, block, head):
+    """``(params, batch) -> (loss, grads)`` by the 1F1B schedule (module docstring). ``embed(rest,
+    tokens) -> x`` [batch, seq, d]; ``block(h, w) -> h`` one layer; ``head(rest, x, targets) -> mean
+    loss`` of ``x``'s rows; ``rest`` is every parameter but ``layers`` (stacked [L, ...], stage-major)."""
+    def value_and_grad(params, batch):
+        return _Step(cfg, embed, block, head, params, batch).run()
+
+    return value_and_grad
+
+
+class _Step:
+    """One 1F1B step's tick loops over ``params`` and ``batch`` (traced once, under jax)."""
+
+    def __init__(self, cfg: Config, embed, block, head, params: dict, batch: dict) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self.embed, self.head, self.layer = embed, head, jax.vmap(block)    # a layer on every stage's micro-batch
+        self.p, self.m = p, m = stages(cfg), int(cfg["microbatches"])
+        self.lps, self.n_slots = cfg["layers"] // p, slots(cfg)
+        self.stage_ids = jnp.arange(p, dtype=jnp.int32)
+        # the parameters the head and the embedding read: each part accumulates its own gradients (one
+        # carry for both would add a replicated zero, e.g. the head's of embed/pos, to a pending sum)
+        self.parts = {"head": ("final_ln", "embed" if int(cfg.get("tied", 0)) else "unembed"), "embed": ("embed",)}
+        self.rest = {k: v for k, v in params.items() if k != "layers"}
+        self.mb = mb = batch["tokens"].shape[0] // m
+
+        def split(a):                           # [B, ...] -> [M, B/M, ...]: micro-batch i = rows i, M + i, ...
+            return jnp.swapaxes(a.reshape(mb, m, *a.shape[1:]), 0, 1)
+
+        self.tokens, self.targets = split(batch["tokens"]), split(batch["targets"])
+        x0 = jax.eval_shape(embed, self.rest, self.tokens[0])
+        self.act, self.dtype = x0.shape[1:], x0.dtype
+        self.loss_type = jax.eval_shape(head, self.rest, x0, self.targets[0]).dtype
+        # [L, ...] stage-major -> [lps, P, ...]: a stage's layers, the stage dim after the layer's
+        self.w = jax.tree.map(lambda a: jnp.moveaxis(a.reshape(p, self.lps, *a.shape[1:]), 0, 1), params["layers"])
+
+    def part(self, name: str) -> dict:
+        return {k: self.rest[k] for k in self.parts[name]}
+
+    def on(self, ok):                           # a [P] predicate against [P, mb, seq, d] values
+        return ok.reshape(self.p, 1, *(1,) * len(self.act))
+
+    def forward(self, c: dict, t):
+        """Every stage's forward unit: stage 0 takes micro-batch ``t``, embedded (on every device: a
+        gather); the inputs go to the stash."""
+        import jax.numpy as jnp
+        from jax import lax
+
+        x_t = self.embed(self.rest, lax.dynamic_index_in_dim(self.tokens, jnp.minimum(t, self.m - 1), keepdims=False))
+        h = jnp.where(self.on(self.stage_ids == 0), x_t[None], c["shift"])
+        out, inputs = lax.scan(lambda h, w_l: (self.layer(h, w_l), h), h, self.w)
+        stash = lax.dynamic_update_index_in_dim(c["stash"], inputs, t % self.n_slots, axis=1)
+        return dict(c, shift=jnp.roll(out, 1, axis=0), stash=stash), out
+
+    def head_unit(self, c: dict, t, out):
+        """The head on every stage's output; the last stage's (micro-batch ``t - P + 1``) counts: the
+        others' cotangent is zero, so their gradients are exact zeros and the sums stay plain sums (a
+        masked sum would keep the data-parallel reduction of every tick's gradient in the loop)."""
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+
+        p, rest = self.p, self.rest
+        tgt = lax.dynamic_index_in_dim(self.targets, t - (p - 1), keepdims=False)
+        ct = jnp.where(self.stage_ids == p - 1, 1.0 / self.m, 0.0).astype(self.loss_type)
+
+        def one(out_k, ct_k):
+            loss, vjp = jax.vjp(lambda r, o: self.head({**rest, **r}, o, tgt), self.part("head"), out_k)
+            return loss * ct_k, vjp(ct_k)
+
+        loss, (d_head, d_out) = jax.vmap(one)(out, ct)
+        return dict(c, loss=c["loss"] + loss), d_head, d_out
+
+    def backward(self, c: dict, t, d_out=None, d_head=None) -> dict:
+        """Every stage's backward unit on micro-batch ``t - (2P - 2 - k)``, from its stashed inputs."""
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+
+        p, m, rest, ids = self.p, self.m, self.rest, self.stage_ids
+        i = t - (2 * p - 2) + ids                                   # [P]: each stage's micro-batch
+        ok = (i >= 0) & (i < m)
+        slot = (t - (2 * p - 2) + 2 * ids) % self.n_slots                  # [P]: where each stage's inputs are
+        g = c["grad"] if d_out is None else jnp.where(self.on(ids == p - 1), d_out, c["grad"])
+        # an idle stage back-propagates a zero cotangent: exact zero gradients from finite stash values,
+        # so the weight gradients are plain sums the lowering reduces once after the loops
+        g = jnp.where(self.on(ok), g, jnp.zeros_like(g))
+
+        def back(g, xs_l):                      # one layer, recomputed from its input, then its vjp
+            w_l, slots_l = xs_l
+            return jax.vjp(self.layer, _slot(slots_l, slot), w_l)[1](g)
+
+        dh, dw = lax.scan(back, g, (self.w, c["stash"]), reverse=True)
+        # stage 0's input gradient is the embedding's, of micro-batch t - (2P - 2) (its tokens found
+        # from t alone: i[0] would be read from stage 0's device); the other stages' cotangent is zero
+        tok = lax.dynamic_index_in_dim(self.tokens, jnp.clip(t - (2 * p - 2), 0, m - 1), keepdims=False)
+        d_emb = jax.vmap(lambda g: jax.vjp(lambda r: self.embed({**rest, **r}, tok), self.part("embed"))[1](g)[0])(
+            jnp.where(self.on(ids == 0), dh, jnp.zeros_like(dh)))
+        c = dict(c, grad=jnp.roll(dh, -1, axis=0), d_w=jax.tree.map(jnp.add, c["d_w"], dw),
+                 d_embed=jax.tree.map(jnp.add, c["d_embed"], d_emb))
+        if d_head is not None:
+            c["d_head"] = jax.tree.map(jnp.add, c["d_head"], d_head)
+        return c
+
+    def steady(self, c: dict, t):
+        c, out = self.forward(c, t)
+        c, d_head, d_out = self.head_unit(c, t, out)
+        return self.backward(c, t, d_out, d_head), None
+
+    def run(self):
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+
+        p, m = self.p, self.m
+        zeros = jnp.zeros((p, self.mb, *self.act), self.dtype)
+        carry = dict(shift=zeros, grad=zeros, stash=jnp.zeros((self.lps, self.n_slots, p, self.mb, *self.act), self.dtype),
+                     loss=jnp.zeros((p,), self.loss_type), d_w=jax.tree.map(jnp.zeros_like, self.w),
+                     **{f"d_{k}": jax.tree.map(lambda a: jnp.zeros((p, *a.shape), a.dtype), self.part(k))
+                        for k in self.parts})
+        warm_up, steady, cool_down = (jnp.arange(a, b, dtype=jnp.int32) for a, b in
+                                      ((0, p - 1), (p - 1, m + p - 1), (m + p - 1, m + 2 * p - 2)))
+        carry = lax.scan(lambda c, t: (self.forward(c, t)[0], None), carry, warm_up)[0]
+        carry = lax.scan(self.steady, carry, steady)[0]
+        carry = lax.scan(lambda c, t: (self.backward(c, t), None), carry, cool_down)[0]
+        grads = {k: jax.tree.map(jnp.zeros_like, v) for k, v in self.rest.items()}
+        for k in self.parts:
+            grads.update({n: jax.tree.map(lambda g, a: g + a.sum(axis=0), grads[n], v)
+                          for n, v in carry[f"d_{k}"].items()})
+        grads["layers"] = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:]), carry["d_w"])
+        return carry["loss"].sum(), grads
+
+
+def _slot(a, index):
+    """``a`` [S, P, ...] -> [P, ...], stage ``k`` taking slot ``index[k]``: a gather over the slots batched
+    over the stage dim (one layer's stashed input a stage, no copy of the other slots)."""
+    from jax import lax
+
+    dn = lax.GatherDimensionNumbers(offset_dims=tuple(range(1, a.ndim - 1)), collapsed_slice_dims=(0,),
+                                    start_index_map=(0,), operand_batching_dims=(1,), start_indices_batching_dims=(0,))
+    return lax.gather(a, index.reshape(-1, 1), dn, (1, 1, *a.shape[2:]), mode=lax.GatherScatterMode.CLIP)
+
+
+__all__ = ["check", "make_value_and_grad", "one_f_one_b", "slots"]

@@ -1,0 +1,176 @@
+"""The 1F1B pipeline schedule (issue 24 item 2; ``scenarios/transformer/pipeline_1f1b.py``):
+
+- its gradient, which the step computes itself (a micro-batch's backward pass starts as soon as its
+  forward pass has left the last stage), equals ``jax.grad`` of the unpipelined model under plain
+  ``jax.jit``: an identity checked by JAX alone, for several stage and micro-batch counts;
+- it partitions and verifies against ``jax.jit`` under pp and bp+mp+pp;
+- structure: ``M + P - 1`` activation permutes forward and as many gradient permutes back, nothing
+  else on ``stage`` inside the tick loops, and every data-parallel weight gradient reduced once after
+  the last loop (the three loops accumulate into one pending sum);
+- priced: the bubble against ``(P-1)/(M+P-1)``, the DES on the same program, and a stash of
+  ``2P - 1`` micro-batches that does not grow with ``M`` where GPipe's does;
+- bad configurations are clear errors.
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from partir_emu.app.experiment import Experiment
+from partir_emu.core.loops import walk
+from partir_emu.core.mesh import Mesh
+from partir_emu.hwmodels.analytical import Analyzer
+from partir_emu.hwmodels.compute.program import compute_times
+from partir_emu.hwmodels.des import simulate_des
+from partir_emu.runtime.local_mesh import LocalMesh
+from tests.conftest import assert_schedule_refused
+from tests.integration.test_pipeline import _priced as accumulation
+
+TINY = "batch=8,layers=4,remat=1"
+ONE_F_ONE_B = f"{TINY},pipeline=2,microbatches=4,schedule=1f1b"
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 2), (2, 1)])
+def test_the_1f1b_gradient_is_the_models(p, m):
+    """Loss and every gradient of the 1F1B step under jax.jit equal jax.value_and_grad of the
+    layers_as=loop model on the same draws, to float32 rounding; fewer micro-batches than stages
+    (M < P - 1 ticks of steady state) included."""
+    import jax
+
+    from scenarios.transformer import model
+    from scenarios.transformer.pipeline_1f1b import make_value_and_grad
+    from scenarios.transformer.scenario import SCENARIO
+
+    pipe = SCENARIO.config("tiny", f"{TINY},pipeline={p},microbatches={m},schedule=1f1b")
+    loop = SCENARIO.config("tiny", f"{TINY},layers_as=loop")
+    params = SCENARIO.make_params(loop, np.random.default_rng(0))
+    batch = SCENARIO.make_batch(loop, np.random.default_rng(1))
+    want_loss, want = jax.jit(jax.value_and_grad(model.make_loss(loop)))(params, batch)
+    step = make_value_and_grad(pipe, model.make_embed(pipe), model.make_block(pipe), model.make_head(pipe))
+    got_loss, got = jax.jit(step)(params, batch)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6 * float(np.abs(w).max()), err_msg=str(path))
+
+
+@functools.cache
+def _base(overrides: str) -> Experiment:
+    return Experiment("transformer", "bp", Mesh(batch=1), "tiny", overrides, strict=True)
+
+
+@pytest.mark.parametrize("strategy, mesh", [("pp", "stage=2"), ("bp+mp+pp", "batch=2,model=2,stage=2")])
+def test_1f1b_verifies_on_the_local_mesh(strategy, mesh):
+    exp = _base(ONE_F_ONE_B).with_strategy(strategy, Mesh.parse(mesh))
+    spmd = exp.lower().spmd
+    inputs = exp.inputs(spmd.input_names)
+    ver = exp.check(LocalMesh(exp.mesh).run(spmd, inputs).outputs, inputs, spmd.output_names)
+    assert ver.verified, ver.to_json()["worst"]
+    w_q = spmd.input_names.index("params/layers/attn/w_q")
+    assert spmd.in_shardings[w_q].dims[0] == ("stage",)
+
+
+def test_1f1b_structure():
+    """P = 4, M = 4 under bp+pp: three tick loops (P - 1, M, P - 1 ticks); M + P - 1 = 7 forward
+    permutes (shift +1) and 7 backward (shift -1 = 3), each one micro-batch's [mb, seq, d] block, and
+    no other collective on ``stage`` in a loop; no gradient all-reduce over ``batch`` in any loop body
+    (only the per-tick loss scalar), and each weight gradient all-reduced over ``batch`` exactly once."""
+    exp = _base(f"{TINY},pipeline=4,microbatches=4,schedule=1f1b").with_strategy("bp+pp", Mesh(batch=2, stage=4))
+    spmd = exp.lower().spmd
+    loops = [e for e in spmd.program.eqns if e.prim == "loop"]
+    assert [e.params["length"] for e in loops if e.params["length"] in (3, 4)][-3:] == [3, 4, 3]
+    perms = Counter((e.params["shift"], e.inputs[0].shape) for e in spmd.collectives()
+                    if e.prim == "collective_permute")
+    assert perms == {(1, (1, 1, 8, 16)): 7, (3, (1, 1, 8, 16)): 7}, perms
+    in_loops = Counter((b.prim, b.params["axes"], b.inputs[0].shape) for e, _ in walk(spmd.program) if e.prim == "loop"
+                       for b in e.params["body"].eqns if b.prim in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert {k for k in in_loops if "stage" in k[1]} == set(), in_loops
+    assert all(int(np.prod(k[2])) == 1 for k in in_loops if "batch" in k[1]), in_loops
+    after = sorted(int(np.prod(e.inputs[0].shape)) for e in spmd.program.eqns
+                   if e.prim == "all_reduce" and e.params["axes"] == ("batch",) and "after the loop" in e.source)
+    once = sorted(int(np.prod(v.shape)) for n, v in zip(spmd.input_names, spmd.program.inputs)
+                  if n.startswith(("params/layers/", "params/final_ln/", "params/unembed/", "params/embed/")))
+    assert after == once, (after, once)       # the stage's layers, the head's and the embedding's weights
+
+
+# -- priced ---------------------------------------------------------------------------------------
+PRICED = "seq=2048,d_model=2048,heads=16,d_ff=8192,layers=16,vocab=1024"
+
+
+@functools.cache
+def _priced(p: int, m: int, schedule: str, batch: int = 64):
+    return Experiment("transformer", "pp", Mesh(stage=p), "t32",
+                      f"{PRICED},batch={batch},pipeline={p},microbatches={m},schedule={schedule}").lower().spmd
+
+
+def _all_s(entry, spec) -> float:
+    """Compute seconds of a program, its loops' bodies times their lengths included."""
+    return float(compute_times(entry.costs, spec).sum()) + sum(lc.length * _all_s(lc.body, spec)
+                                                               for lc in entry.costs.loops)
+
+
+def _layer_work_s(entry, spec) -> float:
+    """Compute seconds of the loops inside a program's loops: the layer scans inside gradient
+    accumulation's micro-batch loop, or inside the pipeline's tick loops."""
+    return sum(lc.length * sum(i.length * _all_s(i.body, spec) for i in lc.body.costs.loops)
+               for lc in entry.costs.loops)
+
+
+def test_the_1f1b_bubble_is_the_closed_form():
+    """Compute-only pricing: the layer work of the three tick loops against a stage's share (1/P) of
+    gradient accumulation's over the same micro-batches is ``1 - (P-1)/(M+P-1)``: a stage runs
+    M + P - 1 forward and M + P - 1 backward units, P - 1 of each idle. Each backward unit recomputes
+    its layers from their stashed inputs, as remat=1's backward pass does, so the work per unit is
+    the same (the head and the ticks' bookkeeping aside)."""
+    an = Analyzer()
+    spec = an.spec("tpu-v4")
+    p, m = 4, 8
+    ideal = _layer_work_s(an.entry(accumulation(1, m, 1).program), spec) / p      # the same micro-batches, no pipeline
+    work = _layer_work_s(an.entry(_priced(p, m, "1f1b").program), spec)
+    closed = (p - 1) / (m + p - 1)
+    assert ideal > 0 and abs((1 - ideal / work) - closed) < 0.01, (1 - ideal / work, closed)
+
+
+def test_the_des_replays_1f1b_as_priced():
+    spmd = _priced(4, 8, "1f1b")
+    an = Analyzer().simulate(spmd, "tpu-v4")
+    des = simulate_des(spmd, "tpu-v4")
+    assert des.step_s == pytest.approx(an.step_s, rel=1e-6)
+    assert an.by_collective["collective_permute"]["count"] == 2 * (8 + 4 - 1)
+
+
+def test_1f1b_keeps_2p_minus_1_micro_batches_whatever_m():
+    """The stash is 2P - 1 slots of a stage's lps layer inputs ([mb, seq, d] bf16 each), whatever M:
+    the 1F1B peak at M = 16 micro-batches of 4 rows is the peak at M = 8 of 4 rows (to within a block:
+    the token ids grow), where GPipe's
+    saved layer inputs are M + P - 1 ticks' worth; at M = 16 GPipe's peak is above 1F1B's by at least
+    half the 12 ticks' difference (P = 4)."""
+    block = 4 * 2048 * 2048 * 2                    # a micro-batch of 4 rows x 2048 x d 2048, bf16
+    lps = 4
+    steady = next(e for e in _priced(4, 16, "1f1b", 64).program.eqns if e.prim == "loop" and e.params["length"] == 16)
+    stash = [v for v in steady.inputs if v.shape[:2] == (lps, 7)]
+    assert len(stash) == 1 and stash[0].nbytes == 7 * lps * block, [v.shape for v in stash]
+    an = Analyzer()
+    peak = {(m, s): an.simulate(_priced(4, m, s, 4 * m), "tpu-v4").peak_bytes_per_device
+            for m, s in ((8, "1f1b"), (16, "1f1b"), (16, "gpipe"))}
+    assert abs(peak[16, "1f1b"] - peak[8, "1f1b"]) < block, peak
+    assert peak[16, "gpipe"] - peak[16, "1f1b"] > (19 - 7) * lps * block / 2, peak
+
+
+# -- errors -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, needle", [
+    ("batch=8,layers=4,remat=0,pipeline=2,microbatches=4,schedule=1f1b", r"schedule=1f1b does not support remat=0"),
+    (f"{ONE_F_ONE_B},virtual_stages=2", r"does not support virtual_stages=2 \(interleaved"),
+    ("batch=8,layers=4,schedule=1f1b", r"schedule without pipeline"),
+])
+def test_bad_1f1b_configs_are_clear_errors(overrides, needle):
+    assert_schedule_refused(overrides, "bp", "batch=1", needle)
+
+
+def test_an_unknown_schedule_is_refused():
+    from partir_emu.errors import ScenarioError
+
+    with pytest.raises(ScenarioError, match=r"'schedule' .* gpipe\|1f1b, got 'zb'"):
+        Experiment("transformer", "bp", Mesh(batch=1), "tiny", f"{TINY},pipeline=2,microbatches=4,schedule=zb")
