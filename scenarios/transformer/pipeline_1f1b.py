@@ -38,6 +38,10 @@ over ``stage`` once after the loop (an all-reduce of the head's and embedding's 
 which Megatron does between its first and last stages for a tied embedding). No buffer of the whole
 batch's activations: the step's memory does not grow with ``M`` but for the token ids.
 
+**Precision.** The projections' weights and biases are cast to the compute dtype once, before the
+loops (Megatron keeps bf16 copies of its float32 master weights for the step), not in every unit:
+the bf16 gradients are widened into float32 sums, what jax's transpose of the cast does.
+
 Micro-batch ``i`` holds rows ``i, M + i, ...`` (a batch tiling of the rows stays on every micro-batch,
 as in :func:`scenarios.training.train_step`); the loss is the mean of the micro-batches' mean losses.
 Supported: ``virtual_stages=1`` (no interleaving), ``remat=1``; anything else is refused by
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 from partir_emu.errors import ScenarioError
 from scenarios.common import Config
+from scenarios.precision import as_dtype, compute_dtype
 from scenarios.transformer.pipeline import stages
 
 
@@ -111,8 +116,13 @@ class _Step:
         x0 = jax.eval_shape(embed, self.rest, self.tokens[0])
         self.act, self.dtype = x0.shape[1:], x0.dtype
         self.loss_type = jax.eval_shape(head, self.rest, x0, self.targets[0]).dtype
-        # [L, ...] stage-major -> [lps, P, ...]: a stage's layers, the stage dim after the layer's
-        self.w = jax.tree.map(lambda a: jnp.moveaxis(a.reshape(p, self.lps, *a.shape[1:]), 0, 1), params["layers"])
+        # [L, ...] stage-major -> [lps, P, ...]: a stage's layers, the stage dim after the layer's; the
+        # projections' weights and biases in the compute dtype once a step (Megatron keeps bf16 copies of
+        # the float32 master weights), not again in every tick's units; the norms' stay float32
+        w = jax.tree.map(lambda a: jnp.moveaxis(a.reshape(p, self.lps, *a.shape[1:]), 0, 1), params["layers"])
+        self.w = jax.tree_util.tree_map_with_path(
+            lambda path, a: a if str(path[0].key).startswith("ln") else as_dtype(a, compute_dtype(cfg)), w)
+        self.w_dtypes = jax.tree.map(lambda a: a.dtype, w)
 
     def part(self, name: str) -> dict:
         return {k: self.rest[k] for k in self.parts[name]}
@@ -176,7 +186,7 @@ class _Step:
         tok = lax.dynamic_index_in_dim(self.tokens, jnp.clip(t - (2 * p - 2), 0, m - 1), keepdims=False)
         d_emb = jax.vmap(lambda g: jax.vjp(lambda r: self.embed({**rest, **r}, tok), self.part("embed"))[1](g)[0])(
             jnp.where(self.on(ids == 0), dh, jnp.zeros_like(dh)))
-        c = dict(c, grad=jnp.roll(dh, -1, axis=0), d_w=jax.tree.map(jnp.add, c["d_w"], dw),
+        c = dict(c, grad=jnp.roll(dh, -1, axis=0), d_w=jax.tree.map(lambda a, g: a + as_dtype(g, a.dtype), c["d_w"], dw),
                  d_embed=jax.tree.map(jnp.add, c["d_embed"], d_emb))
         if d_head is not None:
             c["d_head"] = jax.tree.map(jnp.add, c["d_head"], d_head)
@@ -195,7 +205,8 @@ class _Step:
         p, m = self.p, self.m
         zeros = jnp.zeros((p, self.mb, *self.act), self.dtype)
         carry = dict(shift=zeros, grad=zeros, stash=jnp.zeros((self.lps, self.n_slots, p, self.mb, *self.act), self.dtype),
-                     loss=jnp.zeros((p,), self.loss_type), d_w=jax.tree.map(jnp.zeros_like, self.w),
+                     loss=jnp.zeros((p,), self.loss_type),
+                     d_w=jax.tree.map(lambda a, t: jnp.zeros(a.shape, t), self.w, self.w_dtypes),
                      **{f"d_{k}": jax.tree.map(lambda a: jnp.zeros((p, *a.shape), a.dtype), self.part(k))
                         for k in self.parts})
         warm_up, steady, cool_down = (jnp.arange(a, b, dtype=jnp.int32) for a, b in
