@@ -72,7 +72,7 @@ def test_data_file_parses_and_every_case_is_sourced():
         load_spec(c.hardware)
         sc = get_scenario(c.scenario)
         assert c.strategy in sc.strategies or sc.strategies.compose(c.strategy), c.case   # composed on request
-        sc.strategy(c.strategy, Mesh(**dict(c.mesh)))
+        sc.strategy(c.strategy, Mesh(**dict(c.mesh)), sc.config(None, c.overrides))   # pp needs the config
 
 
 def test_required_cases_match_the_issue_table():
