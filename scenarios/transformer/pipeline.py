@@ -93,9 +93,6 @@ def check(cfg: Config) -> None:
     if cfg.get("experts"):
         raise ScenarioError("transformer: pipeline with experts is not supported (a MoE layer's auxiliary loss is not "
                             "carried through the stages); drop one of them")
-    if cfg["schedule"] not in ("gpipe", "1f1b"):
-        raise ScenarioError(f"transformer: schedule={cfg['schedule']!r} is not a pipeline schedule; use gpipe (the "
-                            "default; with virtual_stages=V circular) or 1f1b")
     if cfg["schedule"] == "1f1b":        # checked by scenarios.transformer.pipeline_1f1b.check
         return
     if m % p:
@@ -243,16 +240,18 @@ def _chunks(w: dict, v: int, repeat):
     return jax.tree.map(lambda a: checkpoint_name(per_stage_index(a, repeat), _CHUNK), w)
 
 
-def per_stage_index(a, index):
-    """``a`` [N, lps, P, ...] -> [lps, P, ...], stage ``k`` taking row ``index[k]`` of dim 0: a gather over
-    dim 0 batched over the stage dim (MaxText's ``vmap_parallel_gather``), no copy of the other rows."""
+def per_stage_index(a, index, stage_dim: int = 2):
+    """``a`` [N, ..., P (at ``stage_dim``), ...] without dim 0, stage ``k`` taking row ``index[k]`` of dim 0:
+    a gather over dim 0 batched over the stage dim (MaxText's ``vmap_parallel_gather``), no copy of
+    the other rows. GPipe's circular chunks are [V, lps, P, ...] (``stage_dim=2``); 1F1B's stash slots
+    of one layer [S, P, ...] (``stage_dim=1``)."""
     from jax import lax
 
-    dn = lax.GatherDimensionNumbers(offset_dims=(0, *range(2, a.ndim - 1)), collapsed_slice_dims=(0,),
-                                    start_index_map=(0,), operand_batching_dims=(2,),
-                                    start_indices_batching_dims=(0,))
-    return lax.gather(a, index.reshape(-1, 1), dn, (1, a.shape[1], 1, *a.shape[3:]),
-                      mode=lax.GatherScatterMode.CLIP)
+    dn = lax.GatherDimensionNumbers(offset_dims=tuple(i for i in range(a.ndim - 1) if i != stage_dim - 1),
+                                    collapsed_slice_dims=(0,), start_index_map=(0,),
+                                    operand_batching_dims=(stage_dim,), start_indices_batching_dims=(0,))
+    sizes = (1, *a.shape[1:stage_dim], 1, *a.shape[stage_dim + 1:])
+    return lax.gather(a, index.reshape(-1, 1), dn, sizes, mode=lax.GatherScatterMode.CLIP)
 
 
 __all__ = ["NAMES", "check", "complete", "layer_order", "per_micro_batch", "per_stage_index", "pipelined",

@@ -52,7 +52,7 @@ from __future__ import annotations
 from partir_emu.errors import ScenarioError
 from scenarios.common import Config
 from scenarios.precision import as_dtype, compute_dtype
-from scenarios.transformer.pipeline import stages
+from scenarios.transformer.pipeline import per_stage_index, pipelined, stages
 
 
 def one_f_one_b(cfg: Config) -> bool:
@@ -61,7 +61,7 @@ def one_f_one_b(cfg: Config) -> bool:
 
 def check(cfg: Config) -> None:
     """A 1F1B config this module cannot build raises :class:`ScenarioError` naming what it lacks."""
-    if not (stages(cfg) > 1 and one_f_one_b(cfg)):
+    if not (pipelined(cfg) and one_f_one_b(cfg)):
         return
     reasons = []
     if int(cfg.get("virtual_stages", 1)) != 1:
@@ -178,7 +178,7 @@ class _Step:
 
         def back(g, xs_l):                      # one layer, recomputed from its input, then its vjp
             w_l, slots_l = xs_l
-            return jax.vjp(self.layer, _slot(slots_l, slot), w_l)[1](g)
+            return jax.vjp(self.layer, per_stage_index(slots_l, slot, stage_dim=1), w_l)[1](g)
 
         dh, dw = lax.scan(back, g, (self.w, c["stash"]), reverse=True)
         # stage 0's input gradient is the embedding's, of micro-batch t - (2P - 2) (its tokens found
@@ -220,16 +220,6 @@ class _Step:
                           for n, v in carry[f"d_{k}"].items()})
         grads["layers"] = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:]), carry["d_w"])
         return carry["loss"].sum(), grads
-
-
-def _slot(a, index):
-    """``a`` [S, P, ...] -> [P, ...], stage ``k`` taking slot ``index[k]``: a gather over the slots batched
-    over the stage dim (one layer's stashed input a stage, no copy of the other slots)."""
-    from jax import lax
-
-    dn = lax.GatherDimensionNumbers(offset_dims=tuple(range(1, a.ndim - 1)), collapsed_slice_dims=(0,),
-                                    start_index_map=(0,), operand_batching_dims=(1,), start_indices_batching_dims=(0,))
-    return lax.gather(a, index.reshape(-1, 1), dn, (1, 1, *a.shape[2:]), mode=lax.GatherScatterMode.CLIP)
 
 
 __all__ = ["check", "make_value_and_grad", "one_f_one_b", "slots"]
