@@ -95,6 +95,9 @@ class Scenario:
     complete_config: Callable[[Config], Config] | None = None
     # the parameter kinds of a config on a model axis of that size, when they depend on it
     param_kinds_for: KindsFn | None = None
+    # what the lowered program's ``meta`` records of a config (e.g. a pipeline's stash as a ring buffer,
+    # partir_emu.hwmodels.ring_buffers); None: nothing
+    program_meta: Callable[[Config], dict] | None = None
     # -- the step's state, its second argument ------------------------------------------------
     # training: Adam's ``opt`` (mu and nu shaped like the parameters, and a count); inference: a KV
     # ``cache``. ``state_shapes``: cfg -> nested dict of (shape, dtype), None for Adam's;

@@ -105,8 +105,11 @@ class Experiment:
 
     def lower(self) -> Lowered:
         """Trace (abstractly), partition and lower."""
-        return responsive(lambda: lower_program(self.program, self.mesh, self.schedule,
-                                                dict(self.scenario.state_outputs)))
+        lowered = responsive(lambda: lower_program(self.program, self.mesh, self.schedule,
+                                                   dict(self.scenario.state_outputs)))
+        if self.scenario.program_meta is not None:
+            lowered.spmd.meta.update(self.scenario.program_meta(self.cfg))
+        return lowered
 
     def inputs(self, names: Sequence[str] | None = None) -> list[np.ndarray]:
         """Global inputs, flat, in the program's input order (numpy only): generated from the

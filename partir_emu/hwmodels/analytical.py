@@ -46,6 +46,7 @@ from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.bounds import StepBound
+from partir_emu.hwmodels.compute.memory import MemoryProfile
 from partir_emu.hwmodels.compute.program import (
     LoopCosts,
     ProgramAnalysis,
@@ -68,6 +69,7 @@ from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.comm import CommModel, PriceCache
 from partir_emu.hwmodels.pricing import CollectiveRows, Priced, price, totals, wire_keys
 from partir_emu.hwmodels.report import CollectiveRow, SimReport
+from partir_emu.hwmodels.ring_buffers import mpmd_profile, ring_buffers
 from partir_emu.hwmodels.timeline.overlap import OverlapPlan
 
 __all__ = ["Analyzer", "CollectiveRow", "LoopCosts", "Priced", "ProgramAnalysis", "ProgramCosts",
@@ -264,7 +266,9 @@ class Analyzer:
         pr = self.price(spmd.program, spec, model, overlap, prefetch_bytes, int(comm_streams),
                         straggler_scale(slow, spmd.mesh.size))
         tot = totals(pr, spec)
-        mem = pr.memory
+        mem = program_mem = pr.memory
+        if spec.stack.pipeline == "mpmd":
+            mem = mpmd_profile(spmd.program, program_mem, ring_buffers(spmd.meta))
         step_s = pr.step_s
         peak_s = step_s * spec.flops_bf16_per_s
         return SimReport(
@@ -278,7 +282,9 @@ class Analyzer:
             hfu=tot.dot_flops / peak_s if peak_s > 0 else 0.0,
             mfu=(float(model_flops) / peak_s if peak_s > 0 else 0.0) if model_flops is not None else None,
             fusion=tot.fusion, collectives=CollectiveRows(pr), faults=faults, comm_streams=int(comm_streams),
-            stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes), notes=_notes(pr, spec))
+            stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes),
+            program_peak_bytes=program_mem.peak_bytes,
+            notes=_notes(pr, spec) + _mpmd_notes(spmd, spec, program_mem, mem))
 
 
 def _notes(pr: Priced, spec: HardwareSpec) -> tuple[str, ...]:
@@ -287,6 +293,16 @@ def _notes(pr: Priced, spec: HardwareSpec) -> tuple[str, ...]:
         return (f"{spec.name} has no FP8 matrix units (its spec gives no flops_fp8_per_s): the FP8 matmuls are "
                 f"priced at its bf16 rate, as XLA converts their operands to a type the chip multiplies",)
     return ()
+
+
+def _mpmd_notes(spmd: SpmdProgram, spec: HardwareSpec, program: MemoryProfile, mpmd: MemoryProfile) -> tuple[str, ...]:
+    """What the report says when a stack's MPMD pipeline holds fewer stash slots than the program."""
+    if mpmd is program:
+        return ()
+    rings = ", ".join(f"{rb.held} of the {rb.slots} slots of the {rb.what}" for rb in ring_buffers(spmd.meta))
+    return (f"the {spec.stack.name} stack runs each pipeline stage as its own program (MPMD): stage 0 holds "
+            f"{rings}; the peak is {mpmd.peak_bytes / 2 ** 30:.3f} GiB as it runs, "
+            f"{program.peak_bytes / 2 ** 30:.3f} GiB as the lowered program runs in lock-step",)
 
 
 def _times_bytes(entry: ProgramAnalysis, spec: HardwareSpec) -> bytes:

@@ -65,13 +65,14 @@ class SimReport:
     stack: str = "xla"              # the software stack priced (hwmodels.compute.stack)
     needed_bytes: float = 0.0       # what the peak needs with the stack's allocator and reserved memory
     notes: tuple[str, ...] = ()     # how the pricing departs from the program (FP8 matmuls on a chip without FP8)
+    program_peak_bytes: int | None = None   # the lowered program's own peak (differs under an MPMD pipeline stack)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
             "spec", "topology", "placement", "mesh", "num_devices", "overlap", "step_s", "compute_s", "comm_s",
             "exposed_comm_s", "flops_per_device", "hbm_traffic_bytes", "peak_bytes_per_device", "hbm_bytes",
             "fits", "memory", "peak_at", "hfu", "mfu", "fusion", "by_op_kind", "by_prim", "by_collective", "by_axes",
-            "comm_streams")}
+            "comm_streams", "program_peak_bytes")}
         d["faults"] = list(self.faults)
         d["notes"] = list(self.notes)
         d["collectives"] = [r.to_json() for r in self.collectives]

@@ -243,8 +243,8 @@ def _chunks(w: dict, v: int, repeat):
 def per_stage_index(a, index, stage_dim: int = 2):
     """``a`` [N, ..., P (at ``stage_dim``), ...] without dim 0, stage ``k`` taking row ``index[k]`` of dim 0:
     a gather over dim 0 batched over the stage dim (MaxText's ``vmap_parallel_gather``), no copy of
-    the other rows. GPipe's circular chunks are [V, lps, P, ...] (``stage_dim=2``); 1F1B's stash slots
-    of one layer [S, P, ...] (``stage_dim=1``)."""
+    the other rows. GPipe's circular chunks are [V, lps, P, ...] and 1F1B's stash [S, lps, P, ...] (slot,
+    layer, stage): ``stage_dim=2`` both."""
     from jax import lax
 
     dn = lax.GatherDimensionNumbers(offset_dims=tuple(i for i in range(a.ndim - 1) if i != stage_dim - 1),
@@ -254,5 +254,17 @@ def per_stage_index(a, index, stage_dim: int = 2):
     return lax.gather(a, index.reshape(-1, 1), dn, sizes, mode=lax.GatherScatterMode.CLIP)
 
 
-__all__ = ["NAMES", "check", "complete", "layer_order", "per_micro_batch", "per_stage_index", "pipelined",
-           "run_layers", "stages", "ticks"]
+def per_stage_add(a, index, update, stage_dim: int = 2):
+    """``a`` with ``update`` (``a`` without dim 0) added at row ``index[k]`` of dim 0 for stage ``k``:
+    :func:`per_stage_index`'s transpose, into ``a`` (a scatter-add batched over the stage dim), so an
+    accumulator carried by a tick loop is updated in place, row by row."""
+    from jax import lax
+
+    dn = lax.ScatterDimensionNumbers(update_window_dims=tuple(i for i in range(a.ndim - 1) if i != stage_dim - 1),
+                                     inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,),
+                                     operand_batching_dims=(stage_dim,), scatter_indices_batching_dims=(0,))
+    return lax.scatter_add(a, index.reshape(-1, 1), update, dn, mode=lax.GatherScatterMode.CLIP)
+
+
+__all__ = ["NAMES", "check", "complete", "layer_order", "per_micro_batch", "per_stage_add", "per_stage_index",
+           "pipelined", "run_layers", "stages", "ticks"]

@@ -82,6 +82,17 @@ def slots(cfg: Config) -> int:
     return 2 * stages(cfg) - 1
 
 
+def program_meta(cfg: Config) -> dict:
+    """What the lowered program's ``meta`` says of a 1F1B step: its stash is a ring buffer
+    ([2P - 1, lps, P, mb, seq, d], slots on dim 0) of which an MPMD stage 0 holds P slots
+    (``partir_emu.hwmodels.ring_buffers``); nothing for another step."""
+    if not (pipelined(cfg) and one_f_one_b(cfg)):
+        return {}
+    dtype = "bfloat16" if cfg.get("precision", "f32") in ("bf16", "fp8") else "float32"
+    return {"ring_buffers": [{"what": "1F1B stash", "ndim": 6, "slots_dim": 0, "slots": slots(cfg),
+                              "held": stages(cfg), "dtype": dtype}]}
+
+
 def make_value_and_grad(cfg: Config, embed, block, head):
     """``(params, batch) -> (loss, grads)`` by the 1F1B schedule (module docstring). ``embed(rest,
     tokens) -> x`` [batch, seq, d]; ``block(h, w) -> h`` one layer; ``head(rest, x, targets) -> mean
@@ -103,9 +114,12 @@ class _Step:
         self.p, self.m = p, m = stages(cfg), int(cfg["microbatches"])
         self.lps, self.n_slots = cfg["layers"] // p, slots(cfg)
         self.stage_ids = jnp.arange(p, dtype=jnp.int32)
-        # the parameters the head and the embedding read: each part accumulates its own gradients (one
-        # carry for both would add a replicated zero, e.g. the head's of embed/pos, to a pending sum)
-        self.parts = {"head": ("final_ln", "embed" if int(cfg.get("tied", 0)) else "unembed"), "embed": ("embed",)}
+        # the parameters the head and the embedding read, as paths: each part accumulates its own gradients
+        # (one carry for both would add a replicated zero, e.g. the head's of embed/pos, to a pending sum);
+        # only what a part reads (a tied head reads embed/tokens, not embed/pos: the [P, seq, d] float32
+        # zeros of a pos gradient it never has would stay replicated over `stage`, 12.5 GiB at 1 T)
+        unembed = ("embed", "tokens") if int(cfg.get("tied", 0)) else ("unembed",)
+        self.parts = {"head": (("final_ln",), unembed), "embed": (("embed",),)}
         self.rest = {k: v for k, v in params.items() if k != "layers"}
         self.mb = mb = batch["tokens"].shape[0] // m
 
@@ -124,8 +138,22 @@ class _Step:
             lambda path, a: a if str(path[0].key).startswith("ln") else as_dtype(a, compute_dtype(cfg)), w)
         self.w_dtypes = jax.tree.map(lambda a: a.dtype, w)
 
-    def part(self, name: str) -> dict:
-        return {k: self.rest[k] for k in self.parts[name]}
+    def part(self, name: str, params: dict | None = None) -> dict:
+        """The parameters part ``name`` reads (of ``params``, default the step's but the layers), as a
+        nested dict of its paths."""
+        out: dict = {}
+        for path in self.parts[name]:
+            node, tree = out, self.rest if params is None else params
+            for key in path[:-1]:
+                node, tree = node.setdefault(key, {}), tree[key]
+            node[path[-1]] = tree[path[-1]]
+        return out
+
+    def with_part(self, r: dict, base: dict | None = None) -> dict:
+        """``base`` (the parameters but the layers) with the leaves of a part's nested dict ``r`` in."""
+        base = self.rest if base is None else base
+        return {k: self.with_part(v, base[k]) if isinstance(v, dict) else v for k, v in {**base, **r}.items()} \
+            if r else base
 
     def on(self, ok):                           # a [P] predicate against [P, mb, seq, d] values
         return ok.reshape(self.p, 1, *(1,) * len(self.act))
@@ -139,7 +167,7 @@ class _Step:
         x_t = self.embed(self.rest, lax.dynamic_index_in_dim(self.tokens, jnp.minimum(t, self.m - 1), keepdims=False))
         h = jnp.where(self.on(self.stage_ids == 0), x_t[None], c["shift"])
         out, inputs = lax.scan(lambda h, w_l: (self.layer(h, w_l), h), h, self.w)
-        stash = lax.dynamic_update_index_in_dim(c["stash"], inputs, t % self.n_slots, axis=1)
+        stash = lax.dynamic_update_index_in_dim(c["stash"], inputs, t % self.n_slots, axis=0)
         return dict(c, shift=jnp.roll(out, 1, axis=0), stash=stash), out
 
     def head_unit(self, c: dict, t, out):
@@ -150,12 +178,12 @@ class _Step:
         import jax.numpy as jnp
         from jax import lax
 
-        p, rest = self.p, self.rest
+        p = self.p
         tgt = lax.dynamic_index_in_dim(self.targets, t - (p - 1), keepdims=False)
         ct = jnp.where(self.stage_ids == p - 1, 1.0 / self.m, 0.0).astype(self.loss_type)
 
         def one(out_k, ct_k):
-            loss, vjp = jax.vjp(lambda r, o: self.head({**rest, **r}, o, tgt), self.part("head"), out_k)
+            loss, vjp = jax.vjp(lambda r, o: self.head(self.with_part(r), o, tgt), self.part("head"), out_k)
             return loss * ct_k, vjp(ct_k)
 
         loss, (d_head, d_out) = jax.vmap(one)(out, ct)
@@ -167,7 +195,7 @@ class _Step:
         import jax.numpy as jnp
         from jax import lax
 
-        p, m, rest, ids = self.p, self.m, self.rest, self.stage_ids
+        p, m, ids = self.p, self.m, self.stage_ids
         i = t - (2 * p - 2) + ids                                   # [P]: each stage's micro-batch
         ok = (i >= 0) & (i < m)
         slot = (t - (2 * p - 2) + 2 * ids) % self.n_slots                  # [P]: where each stage's inputs are
@@ -177,14 +205,16 @@ class _Step:
         g = jnp.where(self.on(ok), g, jnp.zeros_like(g))
 
         def back(g, xs_l):                      # one layer, recomputed from its input, then its vjp
-            w_l, slots_l = xs_l
-            return jax.vjp(self.layer, per_stage_index(slots_l, slot, stage_dim=1), w_l)[1](g)
+            w_l, x_l = xs_l
+            return jax.vjp(self.layer, x_l, w_l)[1](g)
 
-        dh, dw = lax.scan(back, g, (self.w, c["stash"]), reverse=True)
+        # each stage's slot, all its layers' inputs ([lps, P, mb, seq, d]): one gather, not a scan over
+        # the layers' rows of every slot (a row of the stash per layer would be a 2P - 1 slot copy)
+        dh, dw = lax.scan(back, g, (self.w, per_stage_index(c["stash"], slot, stage_dim=2)), reverse=True)
         # stage 0's input gradient is the embedding's, of micro-batch t - (2P - 2) (its tokens found
         # from t alone: i[0] would be read from stage 0's device); the other stages' cotangent is zero
         tok = lax.dynamic_index_in_dim(self.tokens, jnp.clip(t - (2 * p - 2), 0, m - 1), keepdims=False)
-        d_emb = jax.vmap(lambda g: jax.vjp(lambda r: self.embed({**rest, **r}, tok), self.part("embed"))[1](g)[0])(
+        d_emb = jax.vmap(lambda g: jax.vjp(lambda r: self.embed(self.with_part(r), tok), self.part("embed"))[1](g)[0])(
             jnp.where(self.on(ids == 0), dh, jnp.zeros_like(dh)))
         c = dict(c, grad=jnp.roll(dh, -1, axis=0), d_w=jax.tree.map(lambda a, g: a + as_dtype(g, a.dtype), c["d_w"], dw),
                  d_embed=jax.tree.map(jnp.add, c["d_embed"], d_emb))
@@ -204,7 +234,7 @@ class _Step:
 
         p, m = self.p, self.m
         zeros = jnp.zeros((p, self.mb, *self.act), self.dtype)
-        carry = dict(shift=zeros, grad=zeros, stash=jnp.zeros((self.lps, self.n_slots, p, self.mb, *self.act), self.dtype),
+        carry = dict(shift=zeros, grad=zeros, stash=jnp.zeros((self.n_slots, self.lps, p, self.mb, *self.act), self.dtype),
                      loss=jnp.zeros((p,), self.loss_type),
                      d_w=jax.tree.map(lambda a, t: jnp.zeros(a.shape, t), self.w, self.w_dtypes),
                      **{f"d_{k}": jax.tree.map(lambda a: jnp.zeros((p, *a.shape), a.dtype), self.part(k))
@@ -216,10 +246,10 @@ class _Step:
         carry = lax.scan(lambda c, t: (self.backward(c, t), None), carry, cool_down)[0]
         grads = {k: jax.tree.map(jnp.zeros_like, v) for k, v in self.rest.items()}
         for k in self.parts:
-            grads.update({n: jax.tree.map(lambda g, a: g + a.sum(axis=0), grads[n], v)
-                          for n, v in carry[f"d_{k}"].items()})
+            grads = self.with_part(jax.tree.map(lambda g, a: g + a.sum(axis=0), self.part(k, grads), carry[f"d_{k}"]),
+                                   grads)
         grads["layers"] = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:]), carry["d_w"])
         return carry["loss"].sum(), grads
 
 
-__all__ = ["check", "make_value_and_grad", "one_f_one_b", "slots"]
+__all__ = ["check", "make_value_and_grad", "one_f_one_b", "program_meta", "slots"]

@@ -388,6 +388,7 @@ SCENARIO = Scenario(
     choices=CHOICES,
     complete_config=complete_config,
     param_kinds_for=param_kinds,
+    program_meta=pipeline_1f1b.program_meta,
     **fp8.state_hooks(param_shapes),         # Adam's state, and the FP8 amax histories with precision=fp8
 )
 

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 
@@ -24,7 +25,9 @@ from partir_emu.core.loops import walk
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.compute.program import compute_times
+from partir_emu.hwmodels.compute.stack import load_stack
 from partir_emu.hwmodels.des import simulate_des
+from partir_emu.hwmodels.machine.specs import load_spec
 from partir_emu.runtime.local_mesh import LocalMesh
 from tests.conftest import assert_schedule_refused
 from tests.integration.test_pipeline import _priced as accumulation
@@ -33,19 +36,20 @@ TINY = "batch=8,layers=4,remat=1"
 ONE_F_ONE_B = f"{TINY},pipeline=2,microbatches=4,schedule=1f1b"
 
 
-@pytest.mark.parametrize("p, m", [(2, 4), (4, 2), (2, 1)])
-def test_the_1f1b_gradient_is_the_models(p, m):
+@pytest.mark.parametrize("p, m, tied", [(2, 4, 0), (4, 2, 0), (2, 1, 0), (2, 4, 1)])
+def test_the_1f1b_gradient_is_the_models(p, m, tied):
     """Loss and every gradient of the 1F1B step under jax.jit equal jax.value_and_grad of the
     layers_as=loop model on the same draws, to float32 rounding; fewer micro-batches than stages
-    (M < P - 1 ticks of steady state) included."""
+    (M < P - 1 ticks of steady state) included; tied: the embedding table's gradient is the head's
+    plus the embedding's."""
     import jax
 
     from scenarios.transformer import model
     from scenarios.transformer.pipeline_1f1b import make_value_and_grad
     from scenarios.transformer.scenario import SCENARIO
 
-    pipe = SCENARIO.config("tiny", f"{TINY},pipeline={p},microbatches={m},schedule=1f1b")
-    loop = SCENARIO.config("tiny", f"{TINY},layers_as=loop")
+    pipe = SCENARIO.config("tiny", f"{TINY},tied={tied},pipeline={p},microbatches={m},schedule=1f1b")
+    loop = SCENARIO.config("tiny", f"{TINY},tied={tied},layers_as=loop")
     params = SCENARIO.make_params(loop, np.random.default_rng(0))
     batch = SCENARIO.make_batch(loop, np.random.default_rng(1))
     want_loss, want = jax.jit(jax.value_and_grad(model.make_loss(loop)))(params, batch)
@@ -72,19 +76,23 @@ def test_1f1b_verifies_on_the_local_mesh(strategy, mesh):
     assert spmd.in_shardings[w_q].dims[0] == ("stage",)
 
 
-@pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_1f1b_structure(precision):
+@pytest.mark.parametrize("precision, tied", [("f32", 0), ("bf16", 1)])
+def test_1f1b_structure(precision, tied):
     """P = 4, M = 4 under bp+pp: three tick loops (P - 1, M, P - 1 ticks); M + P - 1 = 7 forward
     permutes (shift +1) and 7 backward (shift -1 = 3), each one micro-batch's [mb, seq, d] block, and
     no other collective on ``stage`` in a loop; no gradient all-reduce over ``batch`` in any loop body
     (only the per-tick loss scalar), and each weight gradient all-reduced over ``batch`` exactly once
     (bf16: the projections cast once before the loops, their bf16 gradients widened into the float32
-    sums, which still move out of the loops)."""
-    exp = _base(f"{TINY},precision={precision},pipeline=4,microbatches=4,schedule=1f1b").with_strategy(
+    sums, which still move out of the loops; tied: the head's gradient of the embedding table
+    accumulates apart from the embedding's)."""
+    exp = _base(f"{TINY},precision={precision},tied={tied},pipeline=4,microbatches=4,schedule=1f1b").with_strategy(
         "bp+pp", Mesh(batch=2, stage=4))
     spmd = exp.lower().spmd
     loops = [e for e in spmd.program.eqns if e.prim == "loop"]
     assert [e.params["length"] for e in loops if e.params["length"] in (3, 4)][-3:] == [3, 4, 3]
+    # every per-stage carry is sharded on `stage`: no [P, seq, d] block whole on a device (the tied head's
+    # accumulator of a pos gradient it never has was, 12.5 GiB of float32 zeros a device at 1 T)
+    assert all((4, 8, 16) != v.shape[-3:] for e in loops for v in e.outputs), [v.shape for v in loops[-2].outputs]
     perms = Counter((e.params["shift"], e.inputs[0].shape) for e in spmd.collectives()
                     if e.prim == "collective_permute")
     assert set(perms.values()) == {7} and {shift for shift, _ in perms} == {1, 3}, perms
@@ -97,7 +105,11 @@ def test_1f1b_structure(precision):
                    if e.prim == "all_reduce" and e.params["axes"] == ("batch",) and "after the loop" in e.source)
     once = sorted(int(np.prod(v.shape)) for n, v in zip(spmd.input_names, spmd.program.inputs)
                   if n.startswith(("params/layers/", "params/final_ln/", "params/unembed/", "params/embed/")))
-    assert after == once, (after, once)       # the stage's layers, the head's and the embedding's weights
+    # tied: the table's two sums (the head's, the embedding's) are each reduced after their loop, as
+    # Megatron all-reduces the first and last stages' copies of the table over its embedding group
+    once += [int(np.prod(v.shape)) for n, v in zip(spmd.input_names, spmd.program.inputs)
+             if tied and n == "params/embed/tokens"]
+    assert after == sorted(once), (after, once)   # the stage's layers, the head's and the embedding's weights
 
 
 # -- priced ---------------------------------------------------------------------------------------
@@ -155,13 +167,33 @@ def test_1f1b_keeps_2p_minus_1_micro_batches_whatever_m():
     block = 4 * 2048 * 2048 * 2                    # a micro-batch of 4 rows x 2048 x d 2048, bf16
     lps = 4
     steady = next(e for e in _priced(4, 16, "1f1b", 64).program.eqns if e.prim == "loop" and e.params["length"] == 16)
-    stash = [v for v in steady.inputs if v.shape[:2] == (lps, 7)]
+    stash = [v for v in steady.inputs if v.shape[:2] == (7, lps)]
     assert len(stash) == 1 and stash[0].nbytes == 7 * lps * block, [v.shape for v in stash]
     an = Analyzer()
     peak = {(m, s): an.simulate(_priced(4, m, s, 4 * m), "tpu-v4").peak_bytes_per_device
             for m, s in ((8, "1f1b"), (16, "1f1b"), (16, "gpipe"))}
     assert abs(peak[16, "1f1b"] - peak[8, "1f1b"]) < block, peak
     assert peak[16, "gpipe"] - peak[16, "1f1b"] > (19 - 7) * lps * block / 2, peak
+
+
+def test_an_mpmd_stack_holds_p_of_the_2p_minus_1_stash_slots():
+    """Under a stack that runs each stage as its own program (megatron-lm: ``pipeline = "mpmd"``) the
+    peak is the lock-step program's less the P - 1 = 3 of 2P - 1 = 7 stash slots an MPMD stage 0 does
+    not hold (the peak is in the tick loops, where the stash lives); the step time is the same; the
+    program's own peak stays in the report; under a lock-step stack the two peaks are one."""
+    spmd = _priced(4, 8, "1f1b")
+    assert spmd.meta["ring_buffers"][0]["slots"] == 7 and spmd.meta["ring_buffers"][0]["held"] == 4
+    steady = next(e for e in spmd.program.eqns if e.prim == "loop" and e.params["length"] == 8)
+    stash = next(v for v in steady.inputs if v.shape[:2] == (7, 4))
+    megatron = load_stack("megatron-lm")
+    an = Analyzer()
+    mpmd = an.simulate(spmd, load_spec("a100").with_stack(megatron))
+    lock = an.simulate(spmd, load_spec("a100").with_stack(dataclasses.replace(megatron, pipeline="spmd")))
+    assert lock.peak_bytes_per_device - mpmd.peak_bytes_per_device == stash.nbytes * 3 // 7
+    assert mpmd.program_peak_bytes == lock.peak_bytes_per_device == lock.program_peak_bytes
+    assert mpmd.step_s == lock.step_s
+    assert any("holds 4 of the 7 slots of the 1F1B stash" in n for n in mpmd.notes), mpmd.notes
+    assert not any("MPMD" in n for n in lock.notes)
 
 
 # -- errors -------------------------------------------------------------------------------------------

@@ -246,6 +246,11 @@ _LIFETIMES: dict[tuple[int, str], tuple[Program, Liveness, dict[int, int]]] = {}
 _MAX_LIFETIMES = 8
 
 
+def lifetimes(prog: Program, policy: str) -> Liveness:
+    """The buffer lifetimes the profile of ``prog`` under ``policy`` counts (:func:`stack_liveness`)."""
+    return _lifetimes(prog, policy)[0]
+
+
 def _lifetimes(prog: Program, policy: str) -> tuple[Liveness, dict[int, int]]:
     """:func:`stack_liveness` of ``prog`` and its buffers' bytes (:func:`_sizes`), kept for the last
     programs asked about (by identity, the program held so its id stays its own): the peak and the

@@ -18,6 +18,7 @@ every field with a ``<field>_source``), shared by every run of that stack, never
     saved_activations = "kernel_inputs"   # or "residuals": what is kept for the backward (.residuals)
     reserved_bytes = 1.5e9                # per device, outside the model's tensors (context, workspaces, comm buffers)
     allocator_overhead = 0.05             # the caching allocator's fragmentation: peak × (1 + this)
+    pipeline = "mpmd"                     # or "spmd": how the stack runs a pipeline's stages
 
 What each field does to a prediction:
 
@@ -43,6 +44,9 @@ What each field does to a prediction:
   and ``--holdout`` refits it without the held-out runs): what the stack loses against the kernels'
   measured rates that no mechanism here models (sustained clocks under load, NCCL kernels sharing
   the SMs and HBM with the compute they overlap, allocator and launch stalls);
+- ``pipeline``: ``"spmd"`` (default) prices a pipeline's stash as the lowered program holds it, in
+  lock-step; ``"mpmd"`` (each stage its own program, as Megatron-LM runs it) holds only the slots an
+  MPMD stage 0 holds (:mod:`partir_emu.hwmodels.ring_buffers`);
 - ``reserved_bytes`` and ``allocator_overhead``: the memory the device needs beyond the profile's
   peak: ``needed = peak · (1 + allocator_overhead) + reserved_bytes``; a run fits if
   ``needed <= hbm_bytes``.
@@ -67,6 +71,7 @@ from partir_emu.limits import load_toml
 
 POLICIES = ("residuals", "kernel_inputs")     # what a stack keeps for the backward (.residuals)
 REDUCE_DTYPES = ("as_traced", "float32")
+EXECUTIONS = ("spmd", "mpmd")      # how a stack runs a pipeline's stages ([memory] pipeline; hwmodels.ring_buffers)
 # the mesh axes the scenarios' strategies shard the batch over (bp, z2, z3 and their combinations):
 # a reduction over one of them that is not also over another axis sums gradients across replicas
 DATA_AXES = frozenset({"batch"})
@@ -82,7 +87,7 @@ _KERNELS = {"attention_causal_skip": ("bool", True), "attention_block": ("int", 
 HAND_OPS = ("layernorm", "rmsnorm", "gelu", "relu", "silu", "scale_mask_softmax", "cross_entropy", "adam")
 _COMM = {"gradient_reduce_dtype": (REDUCE_DTYPES, True)}
 _MEMORY = {"saved_activations": (POLICIES, True), "reserved_bytes": ("float", False),
-           "allocator_overhead": ("float", False)}
+           "allocator_overhead": ("float", False), "pipeline": (EXECUTIONS, False)}
 _EFFICIENCY = {"compute_fraction": ("fraction", True)}
 
 
@@ -101,6 +106,7 @@ class StackSpec:
     gradient_reduce_dtype: str = "as_traced"   # or "float32": 16-bit gradient reductions run in fp32
     reserved_bytes: float = 0.0
     allocator_overhead: float = 0.0
+    pipeline: str = "spmd"              # or "mpmd": each stage its own program (hwmodels.ring_buffers)
     compute_fraction: float = 1.0       # the share of the modelled kernel rates the stack sustains
     path: str = ""
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, hash=False)
@@ -143,7 +149,8 @@ class StackSpec:
                 "attention_kernel": self.attention_kernel, "eager": self.eager, "hand_fused": list(self.hand_fused),
                 "saved_activations": self.saved_activations, "gradient_reduce_dtype": self.gradient_reduce_dtype,
                 "reserved_bytes": self.reserved_bytes,
-                "allocator_overhead": self.allocator_overhead, "compute_fraction": self.compute_fraction,
+                "allocator_overhead": self.allocator_overhead, "pipeline": self.pipeline,
+                "compute_fraction": self.compute_fraction,
                 "path": self.path}
 
 
