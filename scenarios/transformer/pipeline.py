@@ -40,7 +40,7 @@ Needs ``M`` a multiple of ``P`` (both schedules: the conveyor has ``M/P`` column
 1F1B (PipeDream-flush) runs a micro-batch's backward pass as soon as its forward pass leaves the
 last stage; here the backward pass is jax's transpose of the whole tick loop, which runs after it,
 so ``schedule=1f1b`` is a step that computes its gradient itself
-(:mod:`scenarios.transformer.pipeline_1f1b`). Its interleaved form is not built.
+(:mod:`scenarios.transformer.pipeline_1f1b`), interleaved with ``virtual_stages=V``.
 
 The embedding runs before the loop on the whole batch and the head (final norm, logits, loss)
 after it, a micro-batch at a time (:func:`per_micro_batch`: one micro-batch's logits live, as on

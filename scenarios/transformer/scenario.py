@@ -75,7 +75,8 @@ pipeline       int (1)                     P > 1: the layers as P pipeline stage
 virtual_stages int (1)                     ``microbatches`` micro-batches, V chunks a stage
                                            (circular); stacks the layers (``layers_as=loop``),
                                            stage-major (``scenarios.transformer.pipeline``)
-schedule       gpipe|1f1b (gpipe)          1f1b: PipeDream-flush, remat=1 (``pipeline_1f1b``)
+schedule       gpipe|1f1b (gpipe)          1f1b: PipeDream-flush, remat=1, interleaved with
+                                           virtual_stages (``pipeline_1f1b``)
 experts        int (none: dense)           mixture of experts: E experts, ``top_k`` (2) a token,
                                            in every ``moe_every``-th (1) layer; ``capacity_factor``
                                            (1.25), ``moe_group`` (seq): ``scenarios.transformer.moe``

@@ -1,7 +1,7 @@
 """Pipeline and context parallelism over real MPI (issue 24 items 2 and 3): the pipelined transformer
 step and the ring-attention step, their ``collective_permute``s now messages between ranks, are
 bit-identical to the in-process LocalMesh and verify against ``jax.jit``: the circular schedule on 4
-stages as 4 ranks of one device, GPipe under bp+mp+pp on 8 devices as 2 ranks of 4, 1F1B both ways, and ring
+stages as 4 ranks of one device, GPipe under bp+mp+pp on 8 devices as 2 ranks of 4, 1F1B both ways and interleaved on 2 ranks of one, and ring
 attention under cp on 4 devices as 2 ranks of 2; and the mechanism alone, a roll by part of a block.
 Each launch has a hard timeout."""
 from __future__ import annotations
@@ -20,7 +20,8 @@ from tests.mpi.conftest import bit_equal, lowered
     ("cp", "context=4", "batch=4,layers=2,attention=ring,ring_blocks=4", 2),
     ("pp", "stage=4", "batch=8,layers=4,remat=1,pipeline=4,microbatches=4,schedule=1f1b", 4),
     ("bp+mp+pp", "batch=2,model=2,stage=2", "batch=8,layers=4,remat=1,pipeline=2,microbatches=2,schedule=1f1b", 2),
-], ids=["circular-4x1", "bp+mp+pp-2x4", "ring-cp-2x2", "1f1b-4x1", "1f1b-bp+mp+pp-2x4"])
+    ("pp", "stage=2", "batch=8,layers=8,remat=1,pipeline=2,microbatches=2,schedule=1f1b,virtual_stages=2", 2),
+], ids=["circular-4x1", "bp+mp+pp-2x4", "ring-cp-2x2", "1f1b-4x1", "1f1b-bp+mp+pp-2x4", "1f1b-interleaved-2x1"])
 def test_over_mpi_equals_local_mesh_and_jax(tmp_path, strategy, mesh, overrides, ranks):
     exp, spmd = lowered("transformer", strategy, mesh, overrides)
     assert sum(e.prim == "collective_permute" for e in spmd.collectives()) > 0

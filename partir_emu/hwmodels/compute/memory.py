@@ -84,10 +84,14 @@ def is_view(e) -> bool:
     return kept == sorted(kept)
 
 
+IN_PLACE_PRIMS = frozenset({"dynamic_update_slice", "scatter", "scatter-add"})
+
+
 def _updates_in_place(e, last: Mapping[int, int], i: int) -> bool:
-    """A ``dynamic_update_slice`` that reads its operand for the last time writes into the operand's
-    buffer (XLA's in-place DUS; a pipeline's stash or conveyor written a slot a tick)."""
-    return (e.prim == "dynamic_update_slice" and type(e.inputs[0]) is Var and last.get(e.inputs[0].id) == i
+    """A ``dynamic_update_slice`` or scatter that reads its operand for the last time writes into the
+    operand's buffer (XLA's in-place DUS and scatter; a pipeline's stash or conveyor written a slot a
+    tick, an interleaved pipeline's gradient added to its chunk's row)."""
+    return (e.prim in IN_PLACE_PRIMS and type(e.inputs[0]) is Var and last.get(e.inputs[0].id) == i
             and e.inputs[0].nbytes == e.outputs[0].nbytes)
 
 
