@@ -207,6 +207,7 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
 # The plan is the one the program's own grouping gives (``tests/integration/test_fusion_share.py``).
 
 _MAX_ENTRIES = 16           # (structure, variant) groupings kept; then afresh
+_MAX_PROGRAMS = 8           # programs whose structure is kept (each kept alive with it); then afresh
 
 
 def bias_sized(e) -> tuple[bool, ...]:
@@ -234,17 +235,20 @@ class Groupings:
 
     def __init__(self) -> None:
         self._by: dict[tuple, tuple[tuple, Grouping]] = {}
-        self._last: tuple[Program, tuple | None, int, dict[int, tuple]] | None = None
+        # per program (by identity, kept alive here) its structure: each compiler variant asks, and a
+        # study walks its programs once per chip
+        self._structures: dict[int, tuple[Program, tuple | None, int, dict[int, tuple]]] = {}
 
     def clear(self) -> None:
         self._by.clear()
-        self._last = None
+        self._structures.clear()
 
     def _structure(self, program: Program) -> tuple[tuple | None, int, dict[int, tuple]]:
         """(the structure, its hash, each value's slot by Var id); the structure is None when a value has
-        no slot. The last program's is kept (each compiler variant of it asks)."""
-        if self._last is not None and self._last[0] is program:
-            return self._last[1], self._last[2], self._last[3]
+        no slot. Kept for the last :data:`_MAX_PROGRAMS` programs."""
+        hit = self._structures.get(id(program))
+        if hit is not None and hit[0] is program:
+            return hit[1], hit[2], hit[3]
         slot: dict[int, tuple] = {v.id: ("in", m) for m, v in enumerate(program.inputs)}
         slot.update((v.id, ("const", m)) for m, (v, _) in enumerate(program.consts))
         sig: list[tuple] = []
@@ -259,7 +263,9 @@ class Groupings:
         except KeyError:                     # an operand defined nowhere: no structure to share
             key = None
         h = hash(key)
-        self._last = (program, key, h, slot)
+        if len(self._structures) >= _MAX_PROGRAMS:
+            self._structures.clear()
+        self._structures[id(program)] = (program, key, h, slot)
         return key, h, slot
 
     def find(self, program: Program, variant: tuple) -> tuple[list[int], list[int], list[str], list[tuple]] | None:
