@@ -117,8 +117,9 @@ class PriceCache:
         return self._table(self._by_placement, key)
 
     def schedules(self, key: tuple) -> dict[tuple, tuple[AlgorithmChoice, CollectiveSchedule] | None]:
-        """The (mutable) table of chosen schedules on the placement with ``key``: choosing one builds and
-        prices every candidate, and the DES asks again for the schedule the analytical model priced."""
+        """The (mutable) table of chosen schedules on the placement with ``key``: choosing one builds every
+        candidate and prices those that can win, and the DES asks again for the schedule the analytical
+        model priced."""
         return self._table(self._schedules, key)
 
     def firsts(self, key: tuple) -> dict[tuple, tuple]:
