@@ -225,9 +225,9 @@ class Fabric:
     def lockstep(self, sched: CollectiveSchedule, token: int, chips: np.ndarray, floor: bool = False) -> Lockstep:
         """The first part of :meth:`price`: one pass over the steps. With ``floor``, also a lower bound of
         the price: the largest, over members, of the sum over steps of the member's slowest own message
-        as if it had every link of its route to itself (a member enters a step no earlier than its
-        messages of the step before are sent: its route's latency plus its bytes at its slowest link's
-        bandwidth, at least; sharing, drift and interference only add). :meth:`settle` gives the price."""
+        as if it had every link of its route to itself (a member enters the next step no earlier than
+        each message it sends in this one is done: at least its route's latency plus its bytes at its
+        slowest link's bandwidth; sharing, drift and interference only add). :meth:`settle` gives the price."""
         msgs = schedule_messages(sched)
         total = 0.0
         hops = 0
