@@ -46,6 +46,7 @@ from partir_emu.core.ir import Program
 from partir_emu.core.mesh import Mesh
 from partir_emu.core.spmd import SpmdProgram
 from partir_emu.hwmodels.bounds import StepBound
+from partir_emu.hwmodels.compute.fusion_plan import Groupings
 from partir_emu.hwmodels.compute.memory import MemoryProfile
 from partir_emu.hwmodels.compute.program import (
     LoopCosts,
@@ -87,7 +88,9 @@ class Analyzer:
       mapping, slice) (hashable keys; at most ``max_placements``);
     - the steps a placement search found, by everything the steps depend on (:meth:`step_key`), so
       a spec that differs only in what no step reads (its HBM capacity, its name) is not searched
-      again (:func:`~partir_emu.hwmodels.machine.search.search_placement`; at most ``max_placements``).
+      again (:func:`~partir_emu.hwmodels.machine.search.search_placement`; at most ``max_placements``);
+    - the fusion groupings of its programs by structure (:class:`.compute.fusion_plan.Groupings`): a program of
+      the structure of one analysed before (another mesh of one strategy) is grouped as it was.
 
     ``eqns_priced`` counts the work done: equations analysed, plus equations walked by each pricing
     (a loop body once per pricing, whatever its length).
@@ -103,6 +106,7 @@ class Analyzer:
         self._placements: dict[tuple, Placement] = {}
         self._topologies: dict[tuple, Topology] = {}
         self.searches: dict[tuple, tuple] = {}                  # step_key -> (program, steps, complete)
+        self.groupings = Groupings()                            # fusion groupings by program structure
         self.eqns_priced = 0
 
     def clear(self) -> None:
@@ -112,6 +116,7 @@ class Analyzer:
         self.searches.clear()
         self.prices.clear()
         self.specs.clear()
+        self.groupings.clear()
 
     def entry(self, program: Program) -> ProgramAnalysis:
         """The kept :class:`ProgramAnalysis` of ``program`` (analysed now if it is not kept)."""
@@ -123,6 +128,7 @@ class Analyzer:
                 progs.append(progs.pop(i))
                 return e
         e = ProgramAnalysis(program, analyze(program))
+        e.costs.fusion.shared = self.groupings
         self.eqns_priced += e.costs.static_eqns
         progs.append(e)
         if len(progs) > self.max_programs:

@@ -106,41 +106,53 @@ class StepBound:
 class Probe:
     """A placement's bound, raised by pricing its distinct collectives one at a time in the bound's
     order (``price(k)``: the seconds of distinct collective ``k`` on that placement). The prices
-    found stay valid when the bound is fitted again (:meth:`StepBound.fit`)."""
+    found stay valid when the bound is fitted again (:meth:`StepBound.fit`). ``floor(k)``: a lower
+    bound of ``price(k)``, cheaper to find (:meth:`~partir_emu.hwmodels.network.comm.CommModel.floor`):
+    :meth:`exceeds` tries it first (the bound only grows with the prices it is given, and a price is
+    never below its floor, so what exceeds a limit with floors does with the prices)."""
 
-    def __init__(self, bound: StepBound, price: Callable[[int], float]) -> None:
+    def __init__(self, bound: StepBound, price: Callable[[int], float],
+                 floor: Callable[[int], float] | None = None) -> None:
         self.bound = bound
         self.price = price
-        self.prices = np.zeros(len(bound.order))
+        self.floor = floor
+        self.prices = np.zeros(len(bound.order))          # the price of a key known, else its floor or 0
         self.known = np.zeros(len(bound.order), dtype=bool)
+        self.floored = np.zeros(len(bound.order), dtype=bool)
         self.value = bound.value(self.prices)
 
     @property
     def done(self) -> int:
         return int(self.known.sum())
 
-    def _next(self) -> bool:
-        """Price the first key of the order not priced yet (False: all are)."""
+    def _next(self, floors: bool = False) -> bool:
+        """Price the first key of the order not priced yet (False: all are); with ``floors`` (and a
+        ``floor``), floor it first: the floor's work is the first part of its price's."""
         for k in self.bound.order:
             if not self.known[k]:
-                self.prices[k] = self.price(k)
-                self.known[k] = True
+                if floors and self.floor is not None and not self.floored[k]:
+                    self.prices[k] = self.floor(k)
+                    self.floored[k] = True
+                else:
+                    self.prices[k] = self.price(k)
+                    self.known[k] = True
                 return True
         return False
 
     def advance(self, upto: int) -> float:
-        """Price keys in the bound's order until ``upto`` are known; the bound then."""
+        """Price keys in the bound's order until ``upto`` are known; the bound then (no floors: the
+        search orders the placements by it)."""
         while self.done < min(upto, len(self.known)) and self._next():
             pass
         self.value = self.bound.value(self.prices)
         return self.value
 
     def exceeds(self, limit: float) -> bool:
-        """Whether the step is surely above ``limit``: keys priced one by one until the bound passes it
-        (True) or every key is priced and it does not (False)."""
+        """Whether the step is surely above ``limit``: keys floored and priced one by one until the bound
+        passes it (True) or every key is priced and it does not (False)."""
         self.value = self.bound.value(self.prices)
         while self.value <= limit:
-            if not self._next():
+            if not self._next(floors=True):
                 return False
             self.value = self.bound.value(self.prices)
         return True

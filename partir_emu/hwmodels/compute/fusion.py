@@ -38,7 +38,9 @@ Grouping (:func:`fuse`, one pass in program order, hardware independent; the spe
 A value crosses a boundary once per reader group (read) and once in all (written, by its producer's
 group, if any other group or the program's outputs read it). Slicing ops read only the region they keep.
 
-Measuring them: :mod:`.fusion_plan`; pricing them: :mod:`.kernel_times`.
+Measuring them: :mod:`.fusion_plan` (which also keeps a grouping for the programs of one structure:
+another mesh of one strategy is grouped as the first was, :class:`.fusion_plan.Groupings`); pricing
+them: :mod:`.kernel_times`.
 
 Not modelled: multi-output (sibling) fusion of reductions over the same input, recomputation of
 elementwise producers into several consumer groups (XLA duplicates cheap ones; only broadcast/iota are
@@ -55,7 +57,17 @@ import numpy as np
 from partir_emu.core.ir import Program, Var
 from partir_emu.hwmodels.compute.costs import op_kind
 from partir_emu.hwmodels.compute.efficiency import CompilerSpec
-from partir_emu.hwmodels.compute.fusion_plan import CHEAP, DOT, FLASH_KERNEL, LOOP, OPAQUE, REDUCE, FusionPlan, measure
+from partir_emu.hwmodels.compute.fusion_plan import (
+    CHEAP,
+    DOT,
+    FLASH_KERNEL,
+    LOOP,
+    OPAQUE,
+    REDUCE,
+    FusionPlan,
+    Groupings,
+    measure,
+)
 from partir_emu.primitives.costs import buffer_bytes
 
 OP_PREFIX = "op."                       # an Eqn.kernel tag of one framework op: a kernel under eager stacks only
@@ -98,19 +110,20 @@ class FusionCache:
     explicit memo; :class:`~partir_emu.hwmodels.analytical.ProgramCosts` holds one so the DES and the analytical model
     price the same groups)."""
 
-    __slots__ = ("_program", "_flops", "_bytes", "_plans")
+    __slots__ = ("_program", "_flops", "_bytes", "_plans", "shared")
 
     def __init__(self, program: Program, flops: np.ndarray, byts: np.ndarray) -> None:
         self._program = program
         self._flops = flops
         self._bytes = byts
         self._plans: dict[tuple, FusionPlan] = {}
+        self.shared: Groupings | None = None        # groupings of programs of one structure (an Analyzer's)
 
     def plan(self, compiler: CompilerSpec) -> FusionPlan:
         key = compiler.variant
         p = self._plans.get(key)
         if p is None:
-            p = self._plans[key] = fuse(self._program, self._flops, self._bytes, compiler)
+            p = self._plans[key] = fuse(self._program, self._flops, self._bytes, compiler, self.shared)
         return p
 
 
@@ -163,9 +176,10 @@ def _transparent(program: Program, cls: Sequence[int], operand_fusion: bool, tag
 
 
 def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], compiler: CompilerSpec,
-           tags: Sequence[str]) -> tuple[list[int], _Groups, list[tuple]]:
+           tags: Sequence[str], shaped: set[int]) -> tuple[list[int], _Groups, list[tuple]]:
     """Assign every non-transparent equation a group (program order). Returns (group root per equation,
-    the groups, each equation's expanded inputs as (var, read bytes or -1 for whole)."""
+    the groups, each equation's expanded inputs as (var, read bytes or -1 for whole). ``shaped`` gets
+    the equations whose operands' sizes a decision read (:func:`_reads_only`)."""
     eqns = program.eqns
     prod: dict[int, int] = {}
     gs = _Groups()
@@ -205,8 +219,8 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
             elif gdot[r] >= 0:
                 ok = c == LOOP and not dot_taken and (
                     epilogue == "elementwise"
-                    or (epilogue == "bias_activation" and _reads_only(e, r, gs, gid, prod, transparent))
-                    or (epilogue == "bias" and e.prim == "add" and _reads_only(e, r, gs, gid, prod, transparent)))
+                    or ((epilogue == "bias_activation" or (epilogue == "bias" and e.prim == "add"))
+                        and _asked(shaped, i) and _reads_only(e, r, gs, gid, prod, transparent)))
                 dot_taken = dot_taken or ok
             else:
                 ok = not eager
@@ -218,6 +232,11 @@ def _group(program: Program, cls: Sequence[int], transparent: Sequence[bool], co
             gopen[g] = False
         gid[i] = g
     return [gs.find(g) if g >= 0 else -1 for g in gid], gs, reads
+
+
+def _asked(shaped: set[int], i: int) -> bool:
+    shaped.add(i)
+    return True
 
 
 def _reads_and_sources(e, eqns, prod: dict[int, int], transparent: Sequence[bool], memo: dict[int, list],
@@ -295,38 +314,42 @@ def _reads_only(e, r: int, gs: _Groups, gid: list[int], prod: dict[int, int], tr
     return True
 
 
-def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: CompilerSpec) -> FusionPlan:
+def fuse(program: Program, flops: np.ndarray, byts: np.ndarray, compiler: CompilerSpec,
+         shared: Groupings | None = None) -> FusionPlan:
     """Group ``program``'s equations as ``compiler`` would and measure each group (``flops``, ``byts``: the
     unfused per-equation costs; an equation that cannot fuse keeps its own). Without loop fusion every
-    equation is its own group at its own cost (the unfused roofline)."""
+    equation is its own group at its own cost (the unfused roofline). ``shared``: groupings of programs
+    of one structure (:class:`.fusion_plan.Groupings`), taken when they serve and given this one's."""
     eqns = program.eqns
     n = len(eqns)
     if not compiler.loop_fusion:
-        cls = [OPAQUE] * n
-        transparent = [False] * n
-        gid = list(range(n))
-        reads: list[tuple] = [()] * n
-        tags = [""] * n
-    else:
-        eager = compiler.eager
-        by_prim: dict[str, int] = {}               # fusion_class per primitive, asked once each
-        cls = []
-        for e in eqns:
-            c = by_prim.get(e.prim)
-            if c is None:
-                c = by_prim[e.prim] = CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim)
-            cls.append(c)
-        tag_of: dict[str, str] = {}                 # hand_tag per Eqn.kernel tag (a few distinct ones)
-        own = []
-        for e in eqns:
-            t = tag_of.get(e.kernel)
-            if t is None:
-                t = tag_of[e.kernel] = hand_tag(e.kernel, eager, compiler.hand_ops)
-            own.append(t)
-        # eager: a view is free whoever reads it (a GEMM takes a strided or transposed operand too)
-        transparent = _transparent(program, cls, compiler.matmul_operand_fusion or eager, own)
-        gid, gs, reads = _group(program, cls, transparent, compiler, own)
-        tags = [gs.tag[g] if g >= 0 else "" for g in gid]
+        return measure(program, flops, byts, [OPAQUE] * n, list(range(n)), [()] * n, [""] * n)
+    hit = shared.find(program, compiler.variant) if shared is not None else None
+    if hit is not None:
+        cls, gid, tags, reads = hit
+        return measure(program, flops, byts, cls, gid, reads, tags)
+    eager = compiler.eager
+    by_prim: dict[str, int] = {}               # fusion_class per primitive, asked once each
+    cls = []
+    for e in eqns:
+        c = by_prim.get(e.prim)
+        if c is None:
+            c = by_prim[e.prim] = CHEAP if eager and e.prim in _VIEWS else fusion_class(e.prim)
+        cls.append(c)
+    tag_of: dict[str, str] = {}                 # hand_tag per Eqn.kernel tag (a few distinct ones)
+    own = []
+    for e in eqns:
+        t = tag_of.get(e.kernel)
+        if t is None:
+            t = tag_of[e.kernel] = hand_tag(e.kernel, eager, compiler.hand_ops)
+        own.append(t)
+    # eager: a view is free whoever reads it (a GEMM takes a strided or transposed operand too)
+    transparent = _transparent(program, cls, compiler.matmul_operand_fusion or eager, own)
+    shaped: set[int] = set()
+    gid, gs, reads = _group(program, cls, transparent, compiler, own, shaped)
+    tags = [gs.tag[g] if g >= 0 else "" for g in gid]
+    if shared is not None:
+        shared.keep(program, compiler.variant, cls, gid, tags, reads, shaped)
     return measure(program, flops, byts, cls, gid, reads, tags)
 
 

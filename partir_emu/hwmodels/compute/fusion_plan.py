@@ -1,6 +1,7 @@
 """A fusion grouping measured: the :class:`FusionPlan` of one program under one compiler variant
 (:func:`measure`: each group's HBM bytes across its boundary, its FLOPs, its dots), the hardware
-independent arrays :mod:`.kernel_times` prices. The grouping itself is :mod:`.fusion`'s.
+independent arrays :mod:`.kernel_times` prices. The grouping itself is :mod:`.fusion`'s; a grouping is
+shared by the programs of one structure (:class:`Groupings`, below), each measured on its own.
 
 The GEMM shape of a matmul-kind equation, and what a flash-attention kernel's dots say about it:
 
@@ -188,3 +189,126 @@ def _plan(program: Program, group_of: np.ndarray, ga: np.ndarray, fl: np.ndarray
             head[g] = max(head[g], int(head_width(row[1], row[2], row[3], s)))
     return FusionPlan(group_of, last, rep, members, gbytes, vec_flops, work, hand,
                       ga[is_dot], dot_flops, f32, fp8.reshape(-1), dims, causal, head)
+
+
+# -- groupings shared by programs of one structure --------------------------------------------------
+# Fusion groupings shared by programs of one structure: what a study's meshes of one strategy have.
+#
+# The grouping of :func:`.fusion.fuse` (which equations make one kernel) reads of a program its
+# structure only: each equation's primitive, ``Eqn.kernel`` tag and number of outputs, where each
+# operand comes from (which output of which equation, which program input or constant, or a literal)
+# and the program's outputs; and, where a matmul epilogue may take an elementwise consumer, whether
+# the consumer's operands are bias-sized (:func:`.fusion._reads_only`, the one question about
+# shapes). A model lowered with one strategy on meshes of other sizes (``partir-emu study --mesh
+# auto``: ``batch=128,model=2`` .. ``batch=8,model=32``) gives programs of one structure and other
+# shapes. :class:`Groupings` keeps the grouping of each (structure, compiler variant) made so far;
+# a program of that structure takes it when its answers to the bias-size questions the grouping
+# asked are the same (checked), and only the measuring (bytes, FLOPs, dots: shapes) is done for it.
+# The plan is the one the program's own grouping gives (``tests/integration/test_fusion_share.py``).
+
+_MAX_ENTRIES = 16           # (structure, variant) groupings kept; then afresh
+_MAX_PROGRAMS = 8           # programs whose structure is kept (each kept alive with it); then afresh
+
+
+def bias_sized(e) -> tuple[bool, ...]:
+    """Per operand of ``e``: does :func:`.fusion._reads_only` let it pass as bias-sized (a literal, a
+    scalar, or no larger than one row of ``e``'s output)?"""
+    out = e.outputs[0].shape
+    row = out[-1] if out else 1
+    return tuple(type(a) is not Var or len(a.shape) == 0 or math.prod(a.shape) <= row for a in e.inputs)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """One grouping as another program of the structure can take it."""
+
+    cls: list[int]
+    gid: list[int]
+    tags: list[str]
+    reads: list[tuple]                      # per equation: (operand slot, reads a slice?) of each value read
+    shaped: dict[int, tuple[bool, ...]]     # equations whose bias-size question was asked: the answers
+
+
+class Groupings:
+    """The groupings kept, by compiler variant and program structure (module docstring); one per
+    :class:`~partir_emu.hwmodels.analytical.Analyzer`, given to the fusion caches of its programs."""
+
+    def __init__(self) -> None:
+        self._by: dict[tuple, tuple[tuple, Grouping]] = {}
+        # per program (by identity, kept alive here) its structure: each compiler variant asks, and a
+        # study walks its programs once per chip
+        self._structures: dict[int, tuple[Program, tuple | None, int, dict[int, tuple]]] = {}
+
+    def clear(self) -> None:
+        self._by.clear()
+        self._structures.clear()
+
+    def _structure(self, program: Program) -> tuple[tuple | None, int, dict[int, tuple]]:
+        """(the structure, its hash, each value's slot by Var id); the structure is None when a value has
+        no slot. Kept for the last :data:`_MAX_PROGRAMS` programs."""
+        hit = self._structures.get(id(program))
+        if hit is not None and hit[0] is program:
+            return hit[1], hit[2], hit[3]
+        slot: dict[int, tuple] = {v.id: ("in", m) for m, v in enumerate(program.inputs)}
+        slot.update((v.id, ("const", m)) for m, (v, _) in enumerate(program.consts))
+        sig: list[tuple] = []
+        key: tuple | None = None
+        try:
+            for j, e in enumerate(program.eqns):
+                sig.append((e.prim, e.kernel, len(e.outputs),
+                            tuple(slot[a.id] if type(a) is Var else None for a in e.inputs)))
+                for s, o in enumerate(e.outputs):
+                    slot[o.id] = (j, s)
+            key = (tuple(sig), tuple(slot[o.id] if type(o) is Var else None for o in program.outputs))
+        except KeyError:                     # an operand defined nowhere: no structure to share
+            key = None
+        h = hash(key)
+        if len(self._structures) >= _MAX_PROGRAMS:
+            self._structures.clear()
+        self._structures[id(program)] = (program, key, h, slot)
+        return key, h, slot
+
+    def find(self, program: Program, variant: tuple) -> tuple[list[int], list[int], list[str], list[tuple]] | None:
+        """``(cls, gid, tags, reads)`` of ``program`` from a kept grouping of its structure, or None."""
+        key, h, slot = self._structure(program)
+        hit = self._by.get((variant, h)) if key is not None else None
+        if hit is None or hit[0] != key:
+            return None
+        g = hit[1]
+        eqns = program.eqns
+        if any(bias_sized(eqns[i]) != answers for i, answers in g.shaped.items()):
+            return None
+        return g.cls, g.gid, g.tags, _reads_of(program, g.reads)
+
+    def keep(self, program: Program, variant: tuple, cls: list[int], gid: list[int], tags: list[str],
+             reads: list[tuple], shaped: set[int]) -> None:
+        """Keep ``program``'s grouping (``shaped``: the equations whose bias-size question it asked)."""
+        key, h, slot = self._structure(program)
+        if key is None:
+            return
+        if len(self._by) >= _MAX_ENTRIES:
+            self._by.clear()
+        eqns = program.eqns
+        out = [tuple((slot[v.id], amount != -1) for v, amount in rd) if rd else () for rd in reads]
+        self._by[(variant, h)] = (key, Grouping(cls, gid, tags, out, {i: bias_sized(eqns[i]) for i in shaped}))
+
+
+def _reads_of(program: Program, reads: list[tuple]) -> list[tuple]:
+    """A kept grouping's reads as ``program``'s values: (Var, bytes of the slice read, or -1: whole)."""
+    eqns, inputs, consts = program.eqns, program.inputs, program.consts
+    out: list[tuple] = []
+    for i, rd in enumerate(reads):
+        if not rd:
+            out.append(())
+            continue
+        row = []
+        for s, part in rd:
+            a, b = s
+            v = eqns[a].outputs[b] if type(a) is int else inputs[b] if a == "in" else consts[b][0]
+            if part:
+                o = eqns[i].outputs[0]
+                row.append((v, buffer_bytes(o.shape, o.dtype)))
+            else:
+                row.append((v, -1))
+        out.append(tuple(row))
+    return out

@@ -24,7 +24,10 @@ Two things make a search cheaper without changing what it chooses:
   step (:mod:`partir_emu.hwmodels.bounds`, from the prices of some of its collectives) is above the
   best step found so far (beyond the tie margin, so the best and its ties are always priced): the
   chosen placement and its step are the same, but ``candidates`` holds only the placements priced
-  to the end (the runner-up is the best of those).
+  to the end (the runner-up is the best of those). Raising a bound, a collective's floor
+  (:meth:`~partir_emu.hwmodels.network.comm.CommModel.floor`: one lock-step pass over its steps, the
+  first part of its price) is tried before its price: what the floor pushes past the best step the
+  price would too.
 """
 from __future__ import annotations
 
@@ -261,7 +264,7 @@ def _steps(spmd: SpmdProgram, spec: HardwareSpec, analyzer: Analyzer, places: li
 
     def probe(p: Placement) -> Probe:
         model = analyzer.comm_model(spmd, p, **kw)
-        return Probe(bound, lambda k: model.cost(*keys[k]).time_s)
+        return Probe(bound, lambda k: model.cost(*keys[k]).time_s, lambda k: model.floor(*keys[k]))
 
     fastest = max((lk.bw_bytes_per_s for lk in places[0].topology.links), default=1.0)
     bound.fit(np.array([nbytes / fastest for _, _, nbytes, _, _ in keys], dtype=np.float64))

@@ -2,8 +2,8 @@
 
 :func:`candidates` lists the algorithms the runtime could use for a collective over a placed group
 (:func:`choose_algorithm` builds each: its group shape, nodes and chip order; the first is the
-fabric's usual default). The analytical model prices every candidate's schedule and keeps the
-cheapest, the DES replays that schedule, and the executors run it
+fabric's usual default). The analytical model keeps the cheapest candidate's schedule (pricing every
+candidate that can still win, :mod:`.comm`), the DES replays that schedule, and the executors run it
 (:mod:`partir_emu.collectives.algorithms` builds every schedule).
 """
 from __future__ import annotations
@@ -75,8 +75,8 @@ def choose_algorithm(kind: str, group: GroupLayout, topology: Topology, algorith
 def candidates(kind: str, group: GroupLayout, topology: Topology, algorithm: str | None = None,
                nbytes: int | None = None) -> list[AlgorithmChoice]:
     """The algorithms the runtime could use for ``kind`` over ``group``; the caller
-    (:meth:`~partir_emu.hwmodels.network.comm.CommModel.schedule`) prices each on the placement and keeps the
-    cheapest (ties: the first, :func:`choose_algorithm`'s default). A requested ``algorithm`` is the
+    (:meth:`~partir_emu.hwmodels.network.comm.CommModel.schedule`) keeps the cheapest on the placement
+    (ties: the first, :func:`choose_algorithm`'s default; one that surely costs more is not priced). A requested ``algorithm`` is the
     only candidate. The names are :func:`candidate_names` (``nbytes``: the collective's size, if known)."""
     if algorithm is not None:
         return [choose_algorithm(kind, group, topology, algorithm)]

@@ -19,6 +19,11 @@ A collective_permute is one step in which every source sends its whole block to 
 (its ``perm``, :func:`~partir_emu.core.spmd.permute_spec`, names the pairs): ``alpha + bytes / bw``
 over each message's route, shared where messages cross one link.
 
+The runtime's algorithm is the cheapest of its candidates (:mod:`.choice`). A candidate whose members
+drift apart is priced by their asynchronous critical path (:mod:`.async_steps`), the costly part; it is
+left unpriced when a lower bound from its lock-step pass (:meth:`.contention.Fabric.lockstep`) is above
+the cheapest price found (:data:`SKIP_REL`): the choice and its price are those of pricing every candidate.
+
 A :class:`CommModel` remembers the prices it computed; give several of them one
 :class:`PriceCache` (as :class:`~partir_emu.hwmodels.analytical.Analyzer` does) to keep
 the prices between evaluations.
@@ -41,6 +46,10 @@ from partir_emu.hwmodels.machine.slices import SLICE_DIM
 from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.choice import AlgorithmChoice, candidates
 from partir_emu.hwmodels.network.contention import Fabric
+
+SKIP_REL = 1e-9
+"""A candidate algorithm is left unpriced when its lower bound is above the cheapest price found by more
+than this (relative): far beyond rounding, so the choice is exactly the one pricing every candidate makes."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class PriceCache:
         self.max_placements = max_placements
         self._by_placement: dict[tuple, dict[tuple, CollectiveCost]] = {}
         self._schedules: dict[tuple, dict[tuple, tuple[AlgorithmChoice, CollectiveSchedule] | None]] = {}
+        self._firsts: dict[tuple, dict[tuple, tuple]] = {}
         self._fabrics: dict[tuple, Fabric] = {}
         self._routers: dict[tuple, Router] = {}
 
@@ -107,13 +117,20 @@ class PriceCache:
         return self._table(self._by_placement, key)
 
     def schedules(self, key: tuple) -> dict[tuple, tuple[AlgorithmChoice, CollectiveSchedule] | None]:
-        """The (mutable) table of chosen schedules on the placement with ``key``: choosing one builds and
-        prices every candidate, and the DES asks again for the schedule the analytical model priced."""
+        """The (mutable) table of chosen schedules on the placement with ``key``: choosing one builds every
+        candidate and prices those that can win, and the DES asks again for the schedule the analytical
+        model priced."""
         return self._table(self._schedules, key)
+
+    def firsts(self, key: tuple) -> dict[tuple, tuple]:
+        """The (mutable) table of candidates and their lock-step passes (:meth:`CommModel.floor`) on the
+        placement with ``key``, until a choice among them is made (:meth:`schedules`)."""
+        return self._table(self._firsts, key)
 
     def clear(self) -> None:
         self._by_placement.clear()
         self._schedules.clear()
+        self._firsts.clear()
         self._fabrics.clear()
         self._routers.clear()
 
@@ -136,6 +153,7 @@ class CommModel:
             key = (*key, ("faults", tuple(sorted(self.link_factors.items()))))
         self._cache = cache.for_placement(key)
         self._built = cache.schedules(key)
+        self._firsts = cache.firsts(key)
         # the chosen candidate's price, from choosing it to costing it (a schedule chosen by another
         # model on this placement is priced again: the price itself is then kept in ``_cache``)
         self._priced: dict[tuple, tuple[float, int, int] | None] = {}
@@ -193,33 +211,85 @@ class CommModel:
             self._built[key] = self._choose(kind, axes, nbytes, dtype, perm)
         return self._built[key]
 
-    def _choose(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str, perm: tuple | None
-                ) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
+    def floor(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str = "float32",
+              perm: tuple | None = None) -> float:
+        """A lower bound of ``cost(...).time_s`` for the price of one lock-step pass over each candidate's
+        steps (:meth:`.contention.Fabric.lockstep`; kept: :meth:`cost` continues from it): the price when
+        it is known, else the least of the candidates' lock-step sums (members in step) and floors
+        (members drifting apart, whose asynchronous critical path is the costly part)."""
         key = (kind, axes, nbytes, dtype, self.requested(kind), perm)
+        c = self._cache.get(key)
+        if c is not None:
+            return c.time_s
+        if key in self._built:                              # chosen already (by a DES, say): price it
+            return self.cost(kind, axes, nbytes, dtype, perm).time_s
+        hit = self._firsts.get(key)
+        if hit is None:
+            built = self._candidates(kind, axes, nbytes, dtype, perm)
+            hit = self._firsts[key] = (built, self._lockstep(axes, built) if built else None)
+        firsts = hit[1]
+        return min(f.floor if f.uneven else f.seconds for f in firsts) if firsts else 0.0
+
+    def _lockstep(self, axes: tuple[str, ...], built: list[tuple[AlgorithmChoice, CollectiveSchedule]]) -> list:
+        fab = self.fabric
+        return [fab.lockstep(sched, *fab.groups(axes, choice.chips), floor=True) for choice, sched in built]
+
+    def _candidates(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str, perm: tuple | None
+                    ) -> list[tuple[AlgorithmChoice, CollectiveSchedule]] | None:
+        """Each candidate algorithm with its schedule (None: no traffic)."""
         group = self.placement.group(axes)
         if group.size == 1 or nbytes == 0:
             return None
         isz = dtype_itemsize(dtype)
         if nbytes % isz:
             isz = math.gcd(nbytes, isz)
-        best: tuple[float, AlgorithmChoice, CollectiveSchedule] | None = None
-        options = candidates(kind, group, self.placement.topology, self.requested(kind), nbytes)
-        for choice in options:
+        built = []
+        for choice in candidates(kind, group, self.placement.topology, self.requested(kind), nbytes):
             pairs = None
             if kind == "collective_permute":
                 # pairs name group positions; the schedule's positions follow choice.chips (GPU: by node)
                 at = {c: i for i, c in enumerate(choice.chips)}
                 pairs = tuple((at[group.chips[s]], at[group.chips[d]])
                               for s, d in permute_pairs(dict(perm or ()), group.size))
-            sched = build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
-                                   devices_per_node=choice.devices_per_node, permutation=pairs)
-            priced = self._price(axes, choice, sched) if len(options) > 1 else None
-            t = priced[0] if priced is not None else 0.0
-            if best is None or t < best[0]:
-                best = (t, choice, sched)
-                self._priced[key] = priced                 # _compute takes it: a candidate is priced once
-        assert best is not None
-        return best[1], best[2]
+            built.append((choice, build_schedule(kind, choice.group_shape, nbytes, choice.algorithm, itemsize=isz,
+                                                 devices_per_node=choice.devices_per_node, permutation=pairs)))
+        return built
+
+    def _choose(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str, perm: tuple | None
+                ) -> tuple[AlgorithmChoice, CollectiveSchedule] | None:
+        key = (kind, axes, nbytes, dtype, self.requested(kind), perm)
+        hit = self._firsts.pop(key, None)
+        built, firsts = hit if hit is not None else (self._candidates(kind, axes, nbytes, dtype, perm), None)
+        if not built:
+            return None
+        if len(built) > 1:
+            i, self._priced[key] = self._cheapest(axes, built, firsts)   # _compute takes it: priced once
+            return built[i]
+        if firsts is not None:                              # its lock-step pass was made for a floor
+            choice, sched = built[0]
+            self._priced[key] = self.fabric.settle(firsts[0], sched, *self.fabric.groups(axes, choice.chips))
+        return built[0]
+
+    def _cheapest(self, axes: tuple[str, ...], built: list[tuple[AlgorithmChoice, CollectiveSchedule]],
+                  firsts: list | None = None) -> tuple[int, tuple[float, int, int]]:
+        """The index and price of the cheapest candidate (ties: the first), every candidate priced except those
+        that surely cost more: a candidate whose members drift apart (priced by the asynchronous critical
+        path, the costly part) is skipped when its lower bound (:meth:`.contention.Fabric.lockstep`) is
+        above the cheapest price found, beyond :data:`SKIP_REL` (rounding); the choice is the same as
+        pricing every candidate's."""
+        fab = self.fabric
+        firsts = firsts if firsts is not None else self._lockstep(axes, built)
+        best = min((f.seconds for f in firsts if not f.uneven), default=math.inf)
+        priced: dict[int, tuple[float, int, int]] = {}
+        for i in sorted(range(len(built)), key=lambda i: (firsts[i].uneven, firsts[i].floor, i)):
+            f = firsts[i]
+            if f.uneven and f.floor > best * (1 + SKIP_REL):
+                continue
+            choice, sched = built[i]
+            priced[i] = fab.settle(f, sched, *fab.groups(axes, choice.chips))
+            best = min(best, priced[i][0])
+        i = min(priced, key=lambda i: (priced[i][0], i))
+        return i, priced[i]
 
     def _compute(self, kind: str, axes: tuple[str, ...], nbytes: int, dtype: str,
                  perm: tuple | None) -> CollectiveCost:

@@ -15,11 +15,17 @@ padded link-id matrix, the per-flow latency and seconds per byte); steps with th
 ``(src, dst)`` pairs share one pattern, built once (rings repeat one pattern every step), and all
 steps of a pattern are priced in one array expression. Link loads are ``np.bincount`` over the
 pattern's link ids.
+
+A price is two passes: :meth:`Fabric.lockstep` (the lock-step sum, whether members drift apart, and on
+request a lower bound of the price: each member's own messages alone on their routes, step after step)
+and :meth:`Fabric.settle` (the asynchronous critical path when they drift). A caller choosing among
+candidate schedules settles only those whose bound can still win (:mod:`.comm`).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,6 +49,21 @@ class Pattern:
     lat: np.ndarray            # float64 [U, K]: per distinct group row, each message's route latency
     inv_bw: np.ndarray         # float64 [U, K]: seconds per byte at the message's shared bottleneck (0: no link)
     hops: int                  # longest route
+    lat_f: np.ndarray          # float64 [G*K]: per flow, its route latency
+    inv_f: np.ndarray          # float64 [G*K]: per flow, seconds per byte through its slowest link alone
+    by_src: np.ndarray         # int64 [G*K]: the flows ordered by sending member (``g * p + src``)
+    src_first: np.ndarray      # int64: where each sending member's flows start in ``by_src``
+    senders: np.ndarray        # int64: those members
+
+
+class Lockstep(NamedTuple):
+    """What one pass over a schedule's steps finds (:meth:`Fabric.lockstep`)."""
+
+    seconds: float             # the lock-step sum: the price when ``uneven`` is False
+    uneven: bool               # members drift apart: the price is the asynchronous critical path
+    floor: float               # a lower bound of the price either way (:meth:`Fabric.lockstep`)
+    messages: int              # messages of one group
+    hops: int                  # longest route
 
 
 def _uneven(pat: Pattern) -> bool:
@@ -54,6 +75,16 @@ def _uneven(pat: Pattern) -> bool:
         return False
     lat, inv = pat.lat[moves], pat.inv_bw[moves]
     return bool(lat.max() - lat.min() > 1e-9 * lat.max() or inv.max() - inv.min() > 1e-9 * inv.max())
+
+
+def _add_floor(own: np.ndarray, pat: Pattern, nb: np.ndarray) -> None:
+    """Add to each sending member's ``own`` the sum, over the steps ``nb`` (``[steps, K]`` bytes), of its
+    slowest message of the step alone on its route (:meth:`Fabric.lockstep`)."""
+    G = len(pat.lat_f) // max(1, nb.shape[1])
+    per = max(1, _BLOCK // max(1, len(pat.lat_f)))
+    for lo in range(0, len(nb), per):
+        t = pat.lat_f[None, :] + np.tile(nb[lo:lo + per], (1, G)) * pat.inv_f[None, :]
+        own[pat.senders] += np.maximum.reduceat(t[:, pat.by_src], pat.src_first, axis=1).sum(axis=0)
 
 
 class Fabric:
@@ -130,6 +161,12 @@ class Fabric:
             share = np.where(valid, self.router.bw[ids] / np.maximum(load[ids], 1.0), np.inf)
             inv = 1.0 / share.min(axis=1)                      # 0 for a flow that crosses no link
         lat = np.where(valid, self.router.latency[ids], 0.0).sum(axis=1)
+        with np.errstate(divide="ignore"):
+            inv_f = 1.0 / np.where(valid, self.router.bw[ids], np.inf).min(axis=1, initial=np.inf)
+        src = ((np.arange(G, dtype=np.int64) * p)[:, None] + pairs[None, :] // p).ravel()
+        by_src = np.argsort(src, kind="stable")
+        first = np.flatnonzero(np.r_[True, src[by_src][1:] != src[by_src][:-1]])
+        lat_f = lat
         lat, inv = lat.reshape(G, K), inv.reshape(G, K)
         if G > 1:                                              # symmetric groups collapse to one row
             rows = np.concatenate((lat, inv), axis=1)
@@ -137,7 +174,7 @@ class Fabric:
             # order, changes no price; most patterns are all one row, checked without sorting)
             rows = rows[:1] if bool((rows == rows[0]).all()) else np.unique(rows, axis=0)
             lat, inv = rows[:, :K], rows[:, K:]
-        return Pattern(links, lat, inv, hops)
+        return Pattern(links, lat, inv, hops, lat_f, inv_f, by_src, first, src[by_src][first])
 
     def _runs(self, msgs: Messages, token: int, chips: np.ndarray) -> Iterator[tuple[Pattern, np.ndarray]]:
         """The schedule's non-empty steps grouped by pattern, in blocks: ``(pattern, nbytes[steps, K])``."""
@@ -183,10 +220,19 @@ class Fabric:
         that finished a step early already sends its next step's message (which shares the slow
         member's link with the message that member still waits for); one that waits for nothing slow
         runs ahead, so a tree whose edges cross the spine or not is priced below the lock-step sum."""
+        return self.settle(self.lockstep(sched, token, chips), sched, token, chips)
+
+    def lockstep(self, sched: CollectiveSchedule, token: int, chips: np.ndarray, floor: bool = False) -> Lockstep:
+        """The first part of :meth:`price`: one pass over the steps. With ``floor``, also a lower bound of
+        the price: the largest, over members, of the sum over steps of the member's slowest own message
+        as if it had every link of its route to itself (a member enters the next step no earlier than
+        each message it sends in this one is done: at least its route's latency plus its bytes at its
+        slowest link's bandwidth; sharing, drift and interference only add). :meth:`settle` gives the price."""
         msgs = schedule_messages(sched)
         total = 0.0
         hops = 0
         uneven = False
+        own = np.zeros(chips.size) if floor else None
         for pat, nb in self._runs(msgs, token, chips):
             hops = max(hops, pat.hops)
             U, K = pat.lat.shape
@@ -197,12 +243,20 @@ class Fabric:
                 times = pat.lat[None, :, :] + b[:, None, :] * pat.inv_bw[None, :, :]
                 total += float(times.max(axis=(1, 2)).sum())
                 uneven = uneven or drifts(times, pat.inv_bw, b, skewed)
-        if uneven:
+            if own is not None:
+                _add_floor(own, pat, nb)
+        return Lockstep(total, uneven, float(own.max(initial=0.0)) if own is not None else 0.0, len(msgs.pair), hops)
+
+    def settle(self, first: Lockstep, sched: CollectiveSchedule, token: int, chips: np.ndarray
+               ) -> tuple[float, int, int]:
+        """:meth:`price` from its :meth:`lockstep` pass: the asynchronous critical path if members drift."""
+        total = first.seconds
+        if first.uneven:
             memo = self._async.get(token)
             if memo is None or len(memo) > _MAX_ASYNC_MEMO:
                 memo = self._async[token] = {}
-            total = async_critical_path(self, msgs, token, chips, memo)
-        return total, len(msgs.pair), hops
+            total = async_critical_path(self, schedule_messages(sched), token, chips, memo)
+        return total, first.messages, first.hops
 
     def link_bytes(self, sched: CollectiveSchedule, token: int, chips: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(link ids, bytes)``: what ``sched`` moves over each directed link, summed over its steps
