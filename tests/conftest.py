@@ -167,6 +167,14 @@ def assert_schedule_refused(overrides: str, strategy: str, mesh: str, needle: st
         assert not Experiment("transformer", strategy, Mesh.parse(mesh), "tiny", overrides).schedule
 
 
+def verified_on_local_mesh(exp):
+    """``exp`` lowered and run on the in-process LocalMesh: (SpmdProgram, Verdict against jax.jit)."""
+    from partir_emu.runtime.local_mesh import LocalMesh
+    spmd = exp.lower().spmd
+    inputs = exp.inputs(spmd.input_names)
+    return spmd, exp.check(LocalMesh(exp.mesh).run(spmd, inputs).outputs, inputs, spmd.output_names)
+
+
 @functools.cache
 def _programs():
     from partir_emu.app.programs import ProgramCache

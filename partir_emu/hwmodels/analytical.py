@@ -70,7 +70,7 @@ from partir_emu.hwmodels.machine.topology import Topology
 from partir_emu.hwmodels.network.comm import CommModel, PriceCache
 from partir_emu.hwmodels.pricing import CollectiveRows, Priced, price, totals, wire_keys
 from partir_emu.hwmodels.report import CollectiveRow, SimReport
-from partir_emu.hwmodels.ring_buffers import mpmd_profile, ring_buffers
+from partir_emu.hwmodels.ring_buffers import RingBuffer, mpmd_profile, ring_buffers
 from partir_emu.hwmodels.timeline.overlap import OverlapPlan
 
 __all__ = ["Analyzer", "CollectiveRow", "LoopCosts", "Priced", "ProgramAnalysis", "ProgramCosts",
@@ -273,8 +273,9 @@ class Analyzer:
                         straggler_scale(slow, spmd.mesh.size))
         tot = totals(pr, spec)
         mem = program_mem = pr.memory
-        if spec.stack.pipeline == "mpmd":
-            mem = mpmd_profile(spmd.program, program_mem, ring_buffers(spmd.meta))
+        rings = ring_buffers(spmd.meta) if spec.stack.pipeline == "mpmd" else ()
+        if rings:
+            mem = mpmd_profile(spmd.program, program_mem, rings)
         step_s = pr.step_s
         peak_s = step_s * spec.flops_bf16_per_s
         return SimReport(
@@ -290,7 +291,7 @@ class Analyzer:
             fusion=tot.fusion, collectives=CollectiveRows(pr), faults=faults, comm_streams=int(comm_streams),
             stack=spec.stack.name, needed_bytes=spec.stack.needed_bytes(mem.peak_bytes),
             program_peak_bytes=program_mem.peak_bytes,
-            notes=_notes(pr, spec) + _mpmd_notes(spmd, spec, program_mem, mem))
+            notes=_notes(pr, spec) + _mpmd_notes(rings, spec, program_mem, mem))
 
 
 def _notes(pr: Priced, spec: HardwareSpec) -> tuple[str, ...]:
@@ -301,13 +302,14 @@ def _notes(pr: Priced, spec: HardwareSpec) -> tuple[str, ...]:
     return ()
 
 
-def _mpmd_notes(spmd: SpmdProgram, spec: HardwareSpec, program: MemoryProfile, mpmd: MemoryProfile) -> tuple[str, ...]:
+def _mpmd_notes(rings: Sequence[RingBuffer], spec: HardwareSpec, program: MemoryProfile,
+                mpmd: MemoryProfile) -> tuple[str, ...]:
     """What the report says when a stack's MPMD pipeline holds fewer stash slots than the program."""
     if mpmd is program:
         return ()
-    rings = ", ".join(f"{rb.held} of the {rb.slots} slots of the {rb.what}" for rb in ring_buffers(spmd.meta))
+    held = ", ".join(f"{rb.held} of the {rb.slots} slots of the {rb.what}" for rb in rings)
     return (f"the {spec.stack.name} stack runs each pipeline stage as its own program (MPMD): stage 0 holds "
-            f"{rings}; the peak is {mpmd.peak_bytes / 2 ** 30:.3f} GiB as it runs, "
+            f"{held}; the peak is {mpmd.peak_bytes / 2 ** 30:.3f} GiB as it runs, "
             f"{program.peak_bytes / 2 ** 30:.3f} GiB as the lowered program runs in lock-step",)
 
 

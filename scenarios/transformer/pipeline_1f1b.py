@@ -28,7 +28,7 @@ each of its layers' inputs (the stash), the backward unit recomputes each layer 
 Megatron's stage 0 holds ``P`` units (``2(P - 1) + (V - 1)P + 1`` interleaved): lock-step ticks move
 a micro-batch one stage a tick both ways, where Megatron's stages run at their own pace. A stack that
 runs stages as their own programs prices the slots Megatron holds (:func:`program_meta`,
-``partir_emu.hwmodels.compute.ring_buffers``). It does not grow with ``M``, where GPipe's does.
+``partir_emu.hwmodels.ring_buffers``). It does not grow with ``M``, where GPipe's does.
 
 **Embedding and head.** Every device embeds the micro-batch stage 0 takes each tick (a gather) and
 runs the head on its stage's output on the head's ticks (only the last stage's counts: each device
@@ -82,7 +82,7 @@ def check(cfg: Config) -> None:
 def program_meta(cfg: Config) -> dict:
     """What the lowered program's ``meta`` says of a 1F1B step: its stash is a ring buffer
     ([2PV - 1, lpc, P, mb, seq, d], slots on dim 0) of which an MPMD stage 0 holds
-    :func:`~scenarios.transformer.pipeline_ticks.held` slots (``partir_emu.hwmodels.compute.ring_buffers``);
+    :func:`~scenarios.transformer.pipeline_ticks.held` slots (``partir_emu.hwmodels.ring_buffers``);
     nothing for another step."""
     if not (pipelined(cfg) and one_f_one_b(cfg)):
         return {}
@@ -111,7 +111,7 @@ class _Step:
         self.cfg, self.units = cfg, Units(cfg)
         self.embed, self.head, self.layer = embed, head, jax.vmap(block)    # a layer on every stage's micro-batch
         self.p, self.v, self.m = p, v, m = stages(cfg), virtual(cfg), int(cfg["microbatches"])
-        self.lpc, self.n_slots = lpc, _ = cfg["layers"] // (p * v), slots(cfg)
+        self.lpc = lpc = cfg["layers"] // (p * v)
         self.stage_ids = jnp.arange(p, dtype=jnp.int32)
         # the parameters the head and the embedding read, as paths: each part accumulates its own gradients
         # (one carry for both would add a replicated zero, e.g. the head's of embed/pos, to a pending sum);
@@ -187,7 +187,7 @@ class _Step:
         x_t = self.embed(self.rest, self.micro_batch(self.tokens, j0))
         h = jnp.where(self.on((self.stage_ids == 0) & (first == 0)), x_t[None], c["shift"])
         out, inputs = lax.scan(lambda h, w_l: (self.layer(h, w_l), h), h, self.chunk(chunk))
-        stash = lax.dynamic_update_index_in_dim(c["stash"], inputs, t % self.n_slots, axis=0)
+        stash = lax.dynamic_update_index_in_dim(c["stash"], inputs, t % self.units.n_slots, axis=0)
         return dict(c, shift=jnp.roll(out, 1, axis=0), stash=stash), out
 
     def head_unit(self, c: dict, t, out):
@@ -265,7 +265,7 @@ class _Step:
         p = self.p
         zeros = jnp.zeros((p, self.mb, *self.act), self.dtype)
         carry = dict(shift=zeros, grad=zeros, loss=jnp.zeros((p,), self.loss_type),
-                     stash=jnp.zeros((self.n_slots, self.lpc, p, self.mb, *self.act), self.dtype),
+                     stash=jnp.zeros((self.units.n_slots, self.lpc, p, self.mb, *self.act), self.dtype),
                      d_w=jax.tree.map(lambda a, t: jnp.zeros(a.shape, t), self.w, self.w_dtypes),
                      **{f"d_{k}": jax.tree.map(lambda a: jnp.zeros((p, *a.shape), a.dtype), self.part(k))
                         for k in self.parts})

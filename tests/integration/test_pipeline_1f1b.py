@@ -28,9 +28,8 @@ from partir_emu.hwmodels.compute.program import compute_times
 from partir_emu.hwmodels.compute.stack import load_stack
 from partir_emu.hwmodels.des import simulate_des
 from partir_emu.hwmodels.machine.specs import load_spec
-from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.transformer.pipeline import layer_order
-from tests.conftest import assert_schedule_refused
+from tests.conftest import assert_schedule_refused, verified_on_local_mesh
 from tests.integration.test_pipeline import _priced as accumulation
 
 TINY = "batch=8,layers=4,remat=1"
@@ -76,9 +75,7 @@ def _base(overrides: str) -> Experiment:
     ("bp+mp+pp", "batch=2,model=2,stage=2", INTERLEAVED)])
 def test_1f1b_verifies_on_the_local_mesh(strategy, mesh, overrides):
     exp = _base(overrides).with_strategy(strategy, Mesh.parse(mesh))
-    spmd = exp.lower().spmd
-    inputs = exp.inputs(spmd.input_names)
-    ver = exp.check(LocalMesh(exp.mesh).run(spmd, inputs).outputs, inputs, spmd.output_names)
+    spmd, ver = verified_on_local_mesh(exp)
     assert ver.verified, ver.to_json()["worst"]
     w_q = spmd.input_names.index("params/layers/attn/w_q")
     assert spmd.in_shardings[w_q].dims[0] == ("stage",)

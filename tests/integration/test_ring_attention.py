@@ -24,10 +24,9 @@ from partir_emu.app.experiment import Experiment
 from partir_emu.core.mesh import Mesh
 from partir_emu.hwmodels.analytical import Analyzer
 from partir_emu.hwmodels.des import simulate_des
-from partir_emu.runtime.local_mesh import LocalMesh
 from scenarios.transformer.attention import naive_attention
 from scenarios.transformer.ring_attention import ring_attention
-from tests.conftest import assert_schedule_refused
+from tests.conftest import assert_schedule_refused, verified_on_local_mesh
 
 RNG = np.random.default_rng(3)
 RING = "batch=4,layers=2,attention=ring"
@@ -62,9 +61,7 @@ def _base(overrides: str) -> Experiment:
 ], ids=["cp", "bp+mp+cp", "pp+cp"])
 def test_ring_attention_verifies_under_cp(overrides, strategy, mesh):
     exp = _base(overrides).with_strategy(strategy, Mesh.parse(mesh))
-    spmd = exp.lower().spmd
-    inputs = exp.inputs(spmd.input_names)
-    ver = exp.check(LocalMesh(exp.mesh).run(spmd, inputs).outputs, inputs, spmd.output_names)
+    spmd, ver = verified_on_local_mesh(exp)
     assert ver.verified, ver.to_json()["worst"]
     assert spmd.in_shardings[spmd.input_names.index("batch/tokens")].dims[1][-1] == "context"
 
